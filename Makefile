@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the suite).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+
+.PHONY: venv demo test lint clean
+
+venv: $(VENV)/.installed
+
+# torch first, pinned: on these machines it is a CPU wheel on local disk. Installing the
+# package afterwards finds torch already satisfied and never pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: venv
+	$(BIN)/poise train --task code-lm --nproc 2 --steps 40 --out runs/demo
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,44 @@
+"""``poise``: the command line. Parses, dispatches, and turns user errors into one line + exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from poise.cli import bench, train
+from poise.log import setup_logging
+
+log = logging.getLogger("poise.cli")
+
+USAGE_ERROR = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage dump) and exit with code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(USAGE_ERROR)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="poise", description="Balanced, communication-efficient distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    train.add_parser(sub)
+    bench.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``poise`` command line; returns the process exit code."""
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ValueError as exc:
+        # User input the config or a command rejected: one line, no traceback.
+        sys.stderr.write(f"poise {args.command}: error: {exc}\n")
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        return 130

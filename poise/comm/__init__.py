@@ -1,0 +1,1 @@
+"""How gradients move: DDP communication hooks and what they measure."""

@@ -1,0 +1,348 @@
+"""Every run setting, in one typed, validated, recorded place.
+
+A run is described by a frozen :class:`RunConfig` made of small sections. Values come from
+defaults < a TOML file < command-line flags, are validated once here (one-line
+``ValueError`` naming the bad value and what is allowed), and the resolved result is written
+next to the outputs as ``config.toml``. Workers load that file, so what ran is exactly what
+was recorded, and its hash is compared across ranks at start-up.
+
+Units are part of field names (``_s`` seconds, ``_bytes`` bytes, ``_steps`` steps). Each
+field's help text lives in its metadata and is reused for ``--help``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TASK_NAMES = ("code-lm", "digits")
+BACKENDS = ("auto", "gloo", "nccl")
+# More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
+MAX_LOCAL_WORKERS = 64
+
+
+def _field(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+def _positive(section: str, name: str, value: int | float | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{section}.{name}={value!r} is invalid: it must be a positive number")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """What is trained: the task and its model size."""
+
+    name: str = _field("code-lm", f"task to train: {', '.join(TASK_NAMES)}")
+    max_seq_len: int = _field(1024, "code-lm: samples are truncated to this many bytes")
+    d_model: int = _field(128, "code-lm: transformer width")
+    num_layers: int = _field(2, "code-lm: transformer blocks")
+    num_heads: int = _field(4, "code-lm: attention heads (must divide d_model)")
+    eval_max_samples: int = _field(
+        512, "held-out samples evaluated at the end (0 = all of the held-out split)"
+    )
+    cache_dir: str = _field("", "where the code-lm corpus index is cached ('' = ~/.cache/poise)")
+
+    def __post_init__(self) -> None:
+        if self.name not in TASK_NAMES:
+            raise ValueError(f"task.name={self.name!r} is unknown: allowed are {', '.join(TASK_NAMES)}")
+        for name in ("max_seq_len", "d_model", "num_layers", "num_heads"):
+            _positive("task", name, getattr(self, name), allow_none=False)
+        if self.max_seq_len < 16:
+            raise ValueError(f"task.max_seq_len={self.max_seq_len} is too small: it must be >= 16")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"task.d_model={self.d_model} is not divisible by task.num_heads={self.num_heads}"
+            )
+        if self.eval_max_samples < 0:
+            raise ValueError(f"task.eval_max_samples={self.eval_max_samples} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How long and how hard to train."""
+
+    steps: int | None = _field(None, "optimizer steps to run (default 100 unless epochs is set)")
+    epochs: int | None = _field(None, "full passes over the training split (instead of steps)")
+    batch_size: int | None = _field(None, "samples per rank per step (default: the task's)")
+    batch_tokens: int | None = _field(
+        None, "code-lm: per-rank token budget per step, padded tokens counted (instead of batch_size)"
+    )
+    lr: float | None = _field(None, "peak learning rate of AdamW (default: the task's)")
+    weight_decay: float = _field(0.01, "AdamW weight decay")
+    warmup_steps: int = _field(10, "linear learning-rate warm-up, then cosine decay to 10%")
+    grad_clip_norm: float = _field(1.0, "clip the global gradient norm to this (0 = off)")
+    seed: int = _field(0, "seed for the model, data order and every rank's RNG")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr"):
+            _positive("train", name, getattr(self, name))
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"train.steps={self.steps} and train.epochs={self.epochs} are both set: give one"
+            )
+        if self.batch_size is not None and self.batch_tokens is not None:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} and train.batch_tokens={self.batch_tokens} "
+                "are both set: give one"
+            )
+        if self.weight_decay < 0 or self.warmup_steps < 0 or self.grad_clip_norm < 0:
+            raise ValueError("train.weight_decay, train.warmup_steps and train.grad_clip_norm must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistConfig:
+    """Where the workers run and how they find each other (passed to torch.distributed.run)."""
+
+    nproc: int = _field(2, "worker processes on this machine")
+    nnodes: str = _field("1", "number of machines, or MIN:MAX for an elastic job")
+    node_rank: int | None = _field(None, "this machine's rank (static rendezvous only)")
+    rdzv_endpoint: str = _field("", "HOST:PORT of the rendezvous for multi-node jobs ('' = standalone)")
+    rdzv_backend: str = _field("c10d", "torch rendezvous backend for multi-node jobs")
+    rdzv_id: str = _field("poise", "job id shared by all machines of one job")
+    backend: str = _field("auto", f"process-group backend: {', '.join(BACKENDS)} (auto: nccl with CUDA)")
+    timeout_s: float = _field(120.0, "timeout of every collective and store wait, in seconds")
+    threads_per_worker: int = _field(0, "torch CPU threads per worker (0 = cores / local workers)")
+
+    def __post_init__(self) -> None:
+        _positive("dist", "nproc", self.nproc, allow_none=False)
+        if self.nproc > MAX_LOCAL_WORKERS:
+            raise ValueError(
+                f"dist.nproc={self.nproc} is not sensible: allowed is 1..{MAX_LOCAL_WORKERS} "
+                f"(this machine has {os.cpu_count()} cores)"
+            )
+        parts = self.nnodes.split(":")
+        if len(parts) > 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"dist.nnodes={self.nnodes!r} is invalid: give N or MIN:MAX, positive integers")
+        if self.node_rank is not None and self.node_rank < 0:
+            raise ValueError(f"dist.node_rank={self.node_rank} must be >= 0")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"dist.backend={self.backend!r} is unknown: allowed are {', '.join(BACKENDS)}")
+        _positive("dist", "timeout_s", self.timeout_s, allow_none=False)
+        if self.threads_per_worker < 0:
+            raise ValueError(f"dist.threads_per_worker={self.threads_per_worker} must be >= 0")
+        if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
+            raise ValueError(f"dist.rdzv_endpoint={self.rdzv_endpoint!r} is invalid: give HOST:PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiagnosticsConfig:
+    """What is measured and written."""
+
+    gather_every_steps: int = _field(10, "per-rank step figures are gathered to rank 0 this often")
+    log_every_steps: int = _field(10, "rank 0 logs a progress line this often")
+    plot: bool = _field(True, "write timeline.png (matplotlib)")
+    progress: bool = _field(True, "show a live progress bar on rank 0")
+
+    def __post_init__(self) -> None:
+        _positive("diagnostics", "gather_every_steps", self.gather_every_steps, allow_none=False)
+        _positive("diagnostics", "log_every_steps", self.log_every_steps, allow_none=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """Injected failures, for tests and demos of the failure path (see runtime/faults.py)."""
+
+    crash_rank: int = _field(-1, "rank that raises an error (-1 = none)")
+    crash_step: int = _field(-1, "step at which crash_rank raises")
+
+    def __post_init__(self) -> None:
+        if (self.crash_rank < 0) != (self.crash_step < 0):
+            raise ValueError(
+                f"faults.crash_rank={self.crash_rank} and faults.crash_step={self.crash_step}: "
+                "set both (>= 0) or neither"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """A whole run: the sections above plus where outputs go."""
+
+    out_dir: str = _field("", "output directory ('' = runs/<timestamp>)")
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.batch_tokens is not None and self.task.name != "code-lm":
+            raise ValueError(
+                f"train.batch_tokens={self.train.batch_tokens} only applies to task code-lm, "
+                f"not {self.task.name!r}: use train.batch_size"
+            )
+        if self.train.batch_tokens is not None and self.train.batch_tokens < self.task.max_seq_len:
+            raise ValueError(
+                f"train.batch_tokens={self.train.batch_tokens} is below task.max_seq_len="
+                f"{self.task.max_seq_len}: a budget must fit at least one full sample"
+            )
+
+    @property
+    def total_steps(self) -> int | None:
+        """Steps to run, or None when the run is measured in epochs."""
+        if self.train.epochs is not None:
+            return None
+        return self.train.steps if self.train.steps is not None else 100
+
+
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(RunConfig)
+    if f.default_factory is not dataclasses.MISSING
+}
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type of each field of a config dataclass (strings resolved to types)."""
+    return typing.get_type_hints(cls)
+
+
+def _scalar_type(tp: Any) -> type:
+    """``int | None`` -> int; plain types unchanged."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return inner
+    return tp
+
+
+def coerce(key: str, tp: Any, value: Any) -> Any:
+    """Convert a TOML or command-line value to a field's type, or raise a one-line error.
+
+    Strings (from the command line) are parsed; TOML values are checked. ``key`` is the
+    dotted name used in messages.
+    """
+    target = _scalar_type(tp)
+    if isinstance(value, str) and target is not str:
+        text = value.strip().lower()
+        try:
+            if target is bool:
+                if text not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return text in ("true", "1", "yes")
+            return target(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} is not a valid {target.__name__}") from None
+    if target is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if target is int and isinstance(value, bool) or not isinstance(value, target):
+        raise ValueError(f"{key}={value!r} has the wrong type: expected {target.__name__}")
+    return value
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build a validated RunConfig from a nested dict (TOML layout); unknown keys are errors."""
+    top_types = field_types(RunConfig)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ValueError(f"[{key}] must be a table of settings, not {value!r}")
+            cls = SECTIONS[key]
+            types_ = field_types(cls)
+            for sub in value:
+                if sub not in types_:
+                    raise ValueError(
+                        f"unknown setting {key}.{sub}: allowed in [{key}] are {', '.join(types_)}"
+                    )
+            kwargs[key] = cls(**{k: coerce(f"{key}.{k}", types_[k], v) for k, v in value.items()})
+        elif key in top_types:
+            kwargs[key] = coerce(key, top_types[key], value)
+        else:
+            allowed = ", ".join([k for k in top_types if k not in SECTIONS] + [f"[{s}]" for s in SECTIONS])
+            raise ValueError(f"unknown setting {key!r}: allowed at the top level are {allowed}")
+    return RunConfig(**kwargs)
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    """Nested plain dict of every setting; ``None`` (= 'use the default') is left out."""
+
+    def clean(obj: Any) -> Any:
+        if dataclasses.is_dataclass(obj):
+            return {
+                f.name: clean(getattr(obj, f.name))
+                for f in dataclasses.fields(obj)
+                if getattr(obj, f.name) is not None
+            }
+        return obj
+
+    return clean(config)
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Overlay ``overrides`` (nested) on ``base`` (nested), returning a new dict."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file; a missing or malformed file is a one-line ValueError."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+
+
+def load(path: str | Path) -> RunConfig:
+    """Load a resolved config file (as written by :func:`save`)."""
+    return from_dict(load_toml(path))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def dumps(config: RunConfig) -> str:
+    """The config as TOML text (top-level keys first, then one table per section)."""
+    data = to_dict(config)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, values in data.items():
+        if isinstance(values, dict):
+            lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def save(config: RunConfig, path: str | Path) -> Path:
+    """Write the resolved config atomically (temp file, fsync, rename) and return its path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(dumps(config))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def config_hash(config: RunConfig) -> str:
+    """sha256 of the canonical JSON of every setting; equal on ranks that agree."""
+    canonical = json.dumps(to_dict(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,1 @@
+"""Measuring only, no policy: per-rank timelines, reports, plots, scaling runs."""

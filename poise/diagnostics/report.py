@@ -1,0 +1,157 @@
+"""Turning a gathered timeline into the run report, the timeline plot and the summary table.
+
+Definitions (all over the measured steps, per-rank compute Tᵢ = forward + own backward):
+
+- ``balance``: mean over steps of 1 − (max Tᵢ − min Tᵢ) / max Tᵢ.
+- ``idle_fraction``: share of rank-seconds spent waiting for the slowest rank's compute.
+- ``comm_fraction``: share of step time blocked in communication *beyond* waiting for the
+  slowest rank (Σ max(0, blocked − idle) / Σ step time), so imbalance is not counted twice.
+- ``blocked_fraction``: share of step time blocked in communication, waiting included.
+- throughput: samples (tokens) of all ranks per second of the median step, and overall
+  (total samples / summed step wall time of the slowest rank).
+
+The first step is left out of medians and means: it pays for DDP's bucket rebuild and lazy
+allocations, and is not what a user's run looks like.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from poise.balance.metrics import balance, idle_fraction
+from poise.diagnostics.timeline import column
+
+WARMUP_STEPS = 1
+_PER_RANK_FIELDS = (
+    "data_s", "forward_s", "backward_s", "compute_s", "comm_wait_s", "optim_s", "step_s",
+    "samples", "tokens",
+)
+
+
+def _steady(table: np.ndarray) -> np.ndarray:
+    """Drop warm-up steps unless that would leave nothing."""
+    return table[:, WARMUP_STEPS:] if table.shape[1] > WARMUP_STEPS else table
+
+
+def summarize(table: np.ndarray) -> dict[str, Any]:
+    """Report figures from a gathered timeline ``[ranks, steps, fields]`` (see module doc)."""
+    if table.shape[1] == 0:
+        raise ValueError("no steps were recorded: nothing to summarize")
+    steady = _steady(table)
+    compute = column(steady, "compute_s").T  # [steps, ranks]
+    blocked = column(steady, "comm_wait_s").T
+    step_s = column(steady, "step_s").T
+    idle = compute.max(axis=1, keepdims=True) - compute
+    samples = column(table, "samples").sum()
+    tokens = column(table, "tokens").sum()
+    # Steps are synchronous: a step lasts as long as its slowest rank.
+    total_s = float(column(table, "step_s").max(axis=0).sum())
+    steady_step_s = float(np.median(step_s.max(axis=1)))
+    losses = column(table, "loss").mean(axis=0)  # per step, averaged over ranks
+    k = max(1, min(5, len(losses) // 4))
+    per_rank = []
+    for r in range(table.shape[0]):
+        one = steady[r : r + 1]
+        entry: dict[str, Any] = {"rank": r}
+        for name in _PER_RANK_FIELDS:
+            entry[f"median_{name}"] = float(np.median(column(one, name)))
+        entry["samples_per_s"] = float(column(one, "samples").sum() / column(one, "step_s").sum())
+        entry["tokens_per_s"] = float(column(one, "tokens").sum() / column(one, "step_s").sum())
+        per_rank.append(entry)
+    return {
+        "steps": int(table.shape[1]),
+        "throughput_samples_per_s": float(samples / total_s),
+        "throughput_tokens_per_s": float(tokens / total_s),
+        "median_step_s": steady_step_s,
+        "balance": float(np.mean([balance(row) for row in compute])),
+        "idle_fraction": idle_fraction(compute),
+        "comm_fraction": float(np.clip(blocked - idle, 0, None).sum() / step_s.sum()),
+        "blocked_fraction": float(blocked.sum() / step_s.sum()),
+        "bytes_communicated_per_step": float(np.median(column(steady, "comm_bytes"))),
+        "train_loss_first": float(losses[:k].mean()),
+        "train_loss_last": float(losses[-k:].mean()),
+        "per_rank": per_rank,
+    }
+
+
+def write_json(data: dict[str, Any], path: str | Path) -> Path:
+    """Write JSON atomically (temp file, fsync, rename): a crash never leaves half a report."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def plot_timeline(table: np.ndarray, path: str | Path) -> Path:
+    """Per-rank stacked bars per step: compute, communication, idle, data + optimizer.
+
+    Idle is the time a rank's compute was shorter than the slowest rank's in that step; the
+    communication bar is the blocked time beyond that idle.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks, steps = table.shape[0], table.shape[1]
+    compute = column(table, "compute_s")
+    idle = compute.max(axis=0, keepdims=True) - compute
+    comm = np.clip(column(table, "comm_wait_s") - idle, 0, None)
+    idle = np.minimum(idle, column(table, "comm_wait_s"))
+    other = column(table, "data_s") + column(table, "optim_s")
+    x = np.arange(steps)
+    fig, axes = plt.subplots(ranks, 1, figsize=(10, 1.8 + 1.6 * ranks), sharex=True, squeeze=False)
+    for r, ax in enumerate(axes[:, 0]):
+        bottom = np.zeros(steps)
+        for values, label, color in (
+            (compute[r], "compute", "#4c72b0"),
+            (comm[r], "communication", "#dd8452"),
+            (idle[r], "idle (waiting for slowest)", "#c44e52"),
+            (other[r], "data + optimizer", "#8c8c8c"),
+        ):
+            ax.bar(x, values, bottom=bottom, width=1.0, color=color, label=label, linewidth=0)
+            bottom += values
+        ax.set_ylabel(f"rank {r}\nseconds")
+    axes[0, 0].legend(loc="upper right", fontsize="small", ncol=4)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle("Per-rank step time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def summary_table(report: dict[str, Any]) -> Any:
+    """A rich Table of the headline figures of a report.json dict."""
+    from rich.table import Table
+
+    table = Table(title=f"poise train: {report['task']} on {report['world_size']} ranks")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    unit = report.get("eval_loss_unit", "")
+    rows = [
+        ("steps", f"{report['steps']}"),
+        ("wall time", f"{report['wall_s']:.1f} s"),
+        ("throughput", f"{report['throughput_samples_per_s']:.1f} samples/s"),
+        ("", f"{report['throughput_tokens_per_s']:.0f} tokens/s"),
+        ("median step", f"{report['median_step_s'] * 1e3:.1f} ms"),
+        ("balance", f"{report['balance']:.3f}"),
+        ("idle fraction", f"{report['idle_fraction']:.1%}"),
+        ("comm fraction", f"{report['comm_fraction']:.1%}"),
+        ("bytes communicated / step", f"{report['bytes_communicated_per_step'] / 1e6:.2f} MB"),
+        ("train loss (first → last)", f"{report['train_loss_first']:.3f} → {report['train_loss_last']:.3f}"),
+        ("eval loss", f"{report['eval_loss']:.4f} {unit}"),
+        ("eval accuracy", f"{report['eval_accuracy']:.2%}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

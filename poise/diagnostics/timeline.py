@@ -1,0 +1,154 @@
+"""Per-rank, per-step measurements, gathered to rank 0 at a fixed interval.
+
+Every rank records one :class:`StepRecord` per training step: wall-clock seconds spent
+loading data, in forward, in its own backward compute, blocked in gradient communication
+and in the optimizer, plus the samples, real tokens and gradient bytes it processed.
+
+How compute is separated from communication: DDP's all-reduce evens out backward time
+across ranks (every rank waits for the slowest), so timing ``backward()`` as a whole would
+hide a slow rank. Instead the DDP communication hook is wrapped by a probe
+(:class:`poise.comm.hooks.BucketProbe`) that notes when the *last* gradient bucket became
+ready on this rank: forward + backward up to that moment is the rank's own compute; the
+rest of ``backward()`` is time blocked in communication (transfer plus waiting for slower
+ranks). On CUDA the probe synchronises the device before reading the clock.
+
+Records are gathered to rank 0 every ``gather_every_steps`` steps with one ``gather`` of a
+small float64 tensor, not every step, so measuring costs one tiny collective per interval.
+Rank 0 keeps the full history and exports it as a Chrome trace (open in Perfetto).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rank's figures for one step (seconds unless named otherwise).
+
+    ``start_time_s`` is wall-clock (``time.time()``) so ranks on one machine line up in the
+    trace; durations come from ``time.perf_counter()``.
+    """
+
+    step: int
+    start_time_s: float
+    data_s: float
+    forward_s: float
+    backward_s: float
+    comm_wait_s: float
+    optim_s: float
+    step_s: float
+    samples: int
+    tokens: int
+    loss: float
+    comm_bytes: int
+
+    @property
+    def compute_s(self) -> float:
+        """This rank's own forward + backward compute, excluding communication waits."""
+        return self.forward_s + self.backward_s
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+
+
+class Timeline:
+    """Collects this rank's step records; rank 0 ends up with every rank's.
+
+    Every rank must call :meth:`record` for the same steps and :meth:`flush` at the same
+    point, because gathering is a collective.
+    """
+
+    def __init__(self, rank: int, world_size: int, gather_every_steps: int, device: torch.device):
+        self.rank = rank
+        self.world_size = world_size
+        self.gather_every_steps = gather_every_steps
+        self.device = device
+        self._pending: list[StepRecord] = []
+        self._gathered: list[np.ndarray] = []  # rank 0 only: [world, n, fields] blocks
+
+    def record(self, rec: StepRecord) -> None:
+        """Add this rank's record; gathers to rank 0 when the interval is full."""
+        self._pending.append(rec)
+        if len(self._pending) >= self.gather_every_steps:
+            self.flush()
+
+    def flush(self) -> None:
+        """Gather whatever is pending on every rank to rank 0 (a collective; call on all ranks)."""
+        if not self._pending:
+            return
+        mine = torch.tensor(
+            [[float(getattr(r, f)) for f in FIELDS] for r in self._pending],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        self._pending.clear()
+        if self.world_size == 1:
+            self._gathered.append(mine.cpu().numpy()[None])
+            return
+        bucket = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(mine, gather_list=bucket, dst=0)
+        if bucket is not None:
+            self._gathered.append(torch.stack(bucket).cpu().numpy())
+
+    def table(self) -> np.ndarray:
+        """Rank 0: array ``[world_size, steps, len(FIELDS)]`` of everything gathered so far."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 holds the gathered timeline")
+        if not self._gathered:
+            return np.zeros((self.world_size, 0, len(FIELDS)))
+        return np.concatenate(self._gathered, axis=1)
+
+
+def column(table: np.ndarray, name: str) -> np.ndarray:
+    """The ``[ranks, steps]`` slice of one field (or ``compute_s``) of a gathered table."""
+    if name == "compute_s":
+        return column(table, "forward_s") + column(table, "backward_s")
+    return table[:, :, FIELDS.index(name)]
+
+
+def chrome_trace(table: np.ndarray) -> dict:
+    """Chrome trace-event JSON (Perfetto, chrome://tracing): one track per rank.
+
+    Phases are drawn back to back from each step's start: data, forward, backward,
+    communication wait, optimizer. Timestamps are microseconds.
+    """
+    phases = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optim_s")
+    origin = float(column(table, "start_time_s").min()) if table.size else 0.0
+    events: list[dict] = []
+    for rank in range(table.shape[0]):
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
+        )
+        for row in table[rank]:
+            rec = dict(zip(FIELDS, row.tolist(), strict=True))
+            t = (rec["start_time_s"] - origin) * 1e6
+            for phase in phases:
+                dur = rec[phase] * 1e6
+                events.append(
+                    {
+                        "name": phase.removesuffix("_s"),
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": rank,
+                        "ts": round(t, 1),
+                        "dur": round(dur, 1),
+                        "args": {"step": int(rec["step"])},
+                    }
+                )
+                t += dur
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(table: np.ndarray, path: str | Path) -> Path:
+    """Write :func:`chrome_trace` of ``table`` to ``path``."""
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(table)))
+    return path

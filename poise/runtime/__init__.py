@@ -1,0 +1,1 @@
+"""What one rank does: process-group set-up, the training step, and the worker entry point."""

@@ -1,0 +1,109 @@
+"""Process-group set-up and teardown for workers started by torch's elastic launcher.
+
+Workers never pick addresses or ports themselves: torch.distributed.run (torchrun) sets
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` and we
+initialise from them. Every wait has the configured timeout, so a dead peer becomes an
+error instead of a hang, and the resolved config's hash is compared across ranks so that
+workers that were handed different settings stop at once with a clear message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from poise.config import DistConfig, RunConfig, config_hash
+
+log = logging.getLogger(__name__)
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` means NCCL when CUDA is present, gloo otherwise."""
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError("dist.backend='nccl' needs CUDA, which this machine lacks: use 'gloo' or 'auto'")
+    return name
+
+
+def init_from_env(config: DistConfig) -> DistContext:
+    """Join the process group described by the launcher's environment variables.
+
+    Raises:
+        ValueError: when not started by torchrun / ``poise train`` (variables missing).
+    """
+    missing = [v for v in _LAUNCHER_VARS if v not in os.environ]
+    if missing:
+        raise ValueError(
+            f"environment variables {', '.join(missing)} are not set: start workers with "
+            "'poise train' or 'torchrun ... -m poise.runtime.worker --config FILE'"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = resolve_backend(config.backend)
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.timeout_s)
+    )
+    ctx = DistContext(rank, world_size, local_rank, local_world_size, backend, device)
+    log.info("process group up: %d ranks, backend %s, device %s", world_size, backend, device)
+    return ctx
+
+
+def check_config_agreement(config: RunConfig, ctx: DistContext) -> None:
+    """Stop every rank when any rank was handed a different resolved config.
+
+    Raises:
+        ValueError: naming the ranks whose config hash differs from rank 0's.
+    """
+    digest = bytes.fromhex(config_hash(config))
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=ctx.device)
+    rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(rows, mine)
+    differ = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
+    if differ:
+        raise ValueError(
+            f"ranks {differ} were started with a different config than rank 0: "
+            "give every node the same config file and flags"
+        )
+
+
+def threads_for(config: DistConfig, local_world_size: int) -> int:
+    """CPU threads per worker: the configured number, or this machine's cores shared evenly."""
+    if config.threads_per_worker:
+        return config.threads_per_worker
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+
+
+def close() -> None:
+    """Destroy the process group if one is up (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

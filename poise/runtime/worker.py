@@ -1,0 +1,183 @@
+"""The per-rank entry point: ``torchrun ... -m poise.runtime.worker --config DIR/config.toml``.
+
+``poise train`` starts this module through torch's elastic launcher; users can start it
+with a plain ``torchrun`` just as well. It reads the resolved config, joins the process
+group, builds the task, the DDP model (with the timing probe on its communication hook),
+the data schedule and the optimizer, runs the steps, evaluates, and rank 0 writes
+``report.json``, ``trace.json`` and ``timeline.png`` into the config's ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from poise import config as config_mod
+from poise.balance.sampler import BatchSchedule
+from poise.comm.hooks import BucketProbe, allreduce_hook, instrumented
+from poise.config import RunConfig
+from poise.diagnostics import report as report_mod
+from poise.diagnostics.timeline import Timeline, write_chrome_trace
+from poise.log import setup_logging, step_progress
+from poise.runtime import dist as rdist
+from poise.runtime.evaluate import evaluate
+from poise.runtime.faults import FaultPlan
+from poise.runtime.step import train_step
+from poise.tasks.base import Task
+from poise.tasks.registry import build_task
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Seed python, numpy and torch; ranks get distinct streams (dropout etc.)."""
+    random.seed(seed * 1000 + rank)
+    np.random.seed(seed * 1000 + rank)
+    torch.manual_seed(seed * 1000 + rank)
+
+
+def build_task_once_per_node(config: RunConfig, ctx: rdist.DistContext) -> Task:
+    """Local rank 0 builds first (it may index and cache the corpus); the others then load
+    the cache instead of all parsing the same files at once."""
+    if ctx.local_rank != 0:
+        dist.barrier()
+    task = build_task(config)
+    if ctx.local_rank == 0:
+        dist.barrier()
+    return task
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then cosine decay to 10% of the peak at ``total_steps``."""
+    warmup = min(warmup_steps, max(1, total_steps // 10))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
+    """Run the configured job on this rank; rank 0 returns the report dict."""
+    started = time.perf_counter()
+    torch.set_num_threads(rdist.threads_for(config.dist, ctx.local_world_size))
+    seed_everything(config.train.seed, ctx.rank)
+    task = build_task_once_per_node(config, ctx)
+    tc = config.train
+    batch_size = tc.batch_size if tc.batch_size is not None or tc.batch_tokens is not None else task.default_batch_size
+
+    torch.manual_seed(tc.seed)  # the same initial weights everywhere (DDP also broadcasts them)
+    model = task.build_model().to(ctx.device)
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    probe = BucketProbe(synchronize_cuda=ctx.device.type == "cuda")
+    ddp.register_comm_hook(None, instrumented(allreduce_hook(), probe))
+
+    schedule = BatchSchedule(
+        task.train_lengths,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        seed=tc.seed,
+        batch_size=batch_size,
+        batch_tokens=tc.batch_tokens,
+    )
+    total_steps = schedule.total_steps(config.total_steps, tc.epochs)
+    loader = DataLoader(
+        task.train_set,
+        batch_sampler=list(schedule.iter_steps(config.total_steps, tc.epochs)),
+        collate_fn=task.collate,
+        num_workers=0,  # 2 cores already run 2 workers: loader processes would only compete
+    )
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=tc.lr or task.default_lr, weight_decay=tc.weight_decay)
+    scheduler = lr_schedule(optimizer, tc.warmup_steps, total_steps)
+    timeline = Timeline(ctx.rank, ctx.world_size, config.diagnostics.gather_every_steps, ctx.device)
+    faults = FaultPlan.from_config(config.faults)
+    log.info(
+        "training %s: %d params, %d train samples, %d steps, %s per rank",
+        task.name, sum(p.numel() for p in model.parameters()), len(task.train_lengths), total_steps,
+        f"{tc.batch_tokens} tokens" if tc.batch_tokens else f"{batch_size} samples",
+    )
+
+    batches = iter(loader)
+    with step_progress(config.diagnostics.progress and ctx.is_main, total_steps) as progress:
+        for step in range(total_steps):
+            faults.check(ctx.rank, step)
+            rec = train_step(
+                step=step, model=ddp, task=task, batches=batches, optimizer=optimizer,
+                scheduler=scheduler, probe=probe, grad_clip_norm=tc.grad_clip_norm, device=ctx.device,
+            )
+            if not math.isfinite(rec.loss):
+                raise FloatingPointError(f"training loss is {rec.loss} at step {step} on rank {ctx.rank}")
+            timeline.record(rec)
+            rate = rec.samples / rec.step_s if rec.step_s > 0 else 0.0
+            progress.update(step, f"loss {rec.loss:.3f}  {rate * ctx.world_size:.0f} samples/s")
+            if ctx.is_main and (step + 1) % config.diagnostics.log_every_steps == 0:
+                log.info("step %d/%d loss %.4f step %.0f ms", step + 1, total_steps, rec.loss, rec.step_s * 1e3)
+    timeline.flush()
+
+    result = evaluate(
+        ddp.module, task, ctx, max_samples=config.task.eval_max_samples, batch_size=batch_size or task.default_batch_size
+    )
+    if not ctx.is_main:
+        return None
+    table = timeline.table()
+    out = Path(config.out_dir)
+    report = {
+        "task": task.name,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "wall_s": time.perf_counter() - started,
+        **report_mod.summarize(table),
+        "eval_loss": result.loss,
+        "eval_loss_unit": result.unit,
+        "eval_accuracy": result.accuracy,
+        "eval_count": result.count,
+        "config": config_mod.to_dict(config),
+    }
+    report_mod.write_json(report, out / "report.json")
+    write_chrome_trace(table, out / "trace.json")
+    if config.diagnostics.plot:
+        report_mod.plot_timeline(table, out / "timeline.png")
+    log.info(
+        "done: eval loss %.4f %s, accuracy %.2f%%, %.1f samples/s, balance %.3f",
+        result.loss, result.unit, 100 * result.accuracy, report["throughput_samples_per_s"], report["balance"],
+    )
+    return report
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry point; errors propagate so torchrun reports them with this rank's traceback."""
+    parser = argparse.ArgumentParser(prog="poise.runtime.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="resolved config written by 'poise train'")
+    args = parser.parse_args(argv)
+    config = config_mod.load(args.config)
+    if not config.out_dir:
+        raise ValueError(f"{args.config}: out_dir is empty: the worker needs to know where to write")
+    setup_logging(int(os.environ.get("RANK", "0")))
+    ctx = rdist.init_from_env(config.dist)
+    try:
+        rdist.check_config_agreement(config, ctx)
+        train(config, ctx)
+    finally:
+        rdist.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Training tasks (data, model, loss and metrics) behind the contract in :mod:`poise.tasks.base`."""

@@ -1,0 +1,45 @@
+"""The one name → task builder table, used once when a worker starts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from poise.config import TASK_NAMES, RunConfig
+from poise.tasks.base import Task
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/poise`` or ``~/.cache/poise``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "poise"
+
+
+def _code_lm(config: RunConfig) -> Task:
+    from poise.tasks.code_lm import build_code_lm_task
+
+    t = config.task
+    return build_code_lm_task(
+        max_seq_len=t.max_seq_len,
+        d_model=t.d_model,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        cache_dir=Path(t.cache_dir) if t.cache_dir else default_cache_dir(),
+        seed=config.train.seed,
+    )
+
+
+def _digits(config: RunConfig) -> Task:
+    from poise.tasks.digits import build_digits_task
+
+    return build_digits_task(seed=config.train.seed)
+
+
+TASKS: dict[str, Callable[[RunConfig], Task]] = {"code-lm": _code_lm, "digits": _digits}
+assert tuple(TASKS) == TASK_NAMES, "config.TASK_NAMES and TASKS must list the same tasks"
+
+
+def build_task(config: RunConfig) -> Task:
+    """Build the configured task (the name was validated by the config)."""
+    return TASKS[config.task.name](config)

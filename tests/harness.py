@@ -1,0 +1,59 @@
+"""Spawn N real processes on gloo over loopback, bounded in time, tracebacks propagated.
+
+``run_ranks(fn, world_size, timeout_s, **kwargs)`` starts ``world_size`` processes (spawn
+context), each joining a gloo process group through a TCPStore that the parent owns on
+127.0.0.1 with an OS-chosen port, runs ``fn(rank, world_size, **kwargs)`` and returns the
+results in rank order. A child's exception reaches the test as
+``torch.multiprocessing.ProcessRaisedException`` carrying the child's traceback; a world
+still running at the deadline is killed and the test fails naming the ranks still alive.
+``fn`` must be a module-level function (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float,
+           results: Any, kwargs: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        results.put((rank, fn(rank, world_size, **kwargs)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:
+    """Run ``fn`` on ``world_size`` gloo ranks; return their results in rank order."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    procs = mp.spawn(_child, args=(fn, world_size, store.port, timeout_s, results, kwargs),
+                     nprocs=world_size, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not procs.join(timeout=0.2):
+        if time.monotonic() > deadline:
+            alive = [r for r, p in enumerate(procs.processes) if p.is_alive()]
+            for p in procs.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"ranks {alive} still running after {timeout_s} s")
+    out: dict[int, Any] = {}
+    while not results.empty():
+        rank, value = results.get()
+        out[rank] = value
+    del store
+    return [out[r] for r in range(world_size)]

@@ -45,6 +45,13 @@ class StepProgress:
             self._progress.update(self._task, completed=step + 1, status=status)
 
 
+def make_console(stderr: bool = False) -> Console:
+    """A rich console; when output is not a terminal (a file, CI), tables get 140 columns
+    instead of rich's default 80, so they are not cut."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=140)
+
+
 @contextmanager
 def step_progress(enabled: bool, total: int) -> Iterator[StepProgress]:
     """Context manager yielding a :class:`StepProgress`; draws only when ``enabled`` on a TTY."""

@@ -11,6 +11,7 @@ still running at the deadline is killed and the test fails naming the ranks stil
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,7 +31,9 @@ def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     try:
-        results.put((rank, fn(rank, world_size, **kwargs)))
+        # Plain pickle copies tensor data; torch's queue reducers would share memory that
+        # disappears with this process.
+        results.put((rank, pickle.dumps(fn(rank, world_size, **kwargs))))
     finally:
         dist.destroy_process_group()
 
@@ -44,16 +47,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 60.0, 
     procs = mp.spawn(_child, args=(fn, world_size, store.port, timeout_s, results, kwargs),
                      nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout_s
+    out: dict[int, Any] = {}
+
+    def drain() -> None:
+        # Read while children run: a result bigger than the pipe buffer blocks its sender.
+        while not results.empty():
+            rank, value = results.get()
+            out[rank] = pickle.loads(value)
+
     while not procs.join(timeout=0.2):
+        drain()
         if time.monotonic() > deadline:
             alive = [r for r, p in enumerate(procs.processes) if p.is_alive()]
             for p in procs.processes:
                 if p.is_alive():
                     p.kill()
             raise TimeoutError(f"ranks {alive} still running after {timeout_s} s")
-    out: dict[int, Any] = {}
-    while not results.empty():
-        rank, value = results.get()
-        out[rank] = value
+    drain()
     del store
     return [out[r] for r in range(world_size)]

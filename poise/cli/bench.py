@@ -14,6 +14,7 @@ from typing import Any
 
 from poise.diagnostics import scaling
 from poise.diagnostics.report import write_json
+from poise.log import make_console
 
 
 def add_parser(sub: Any) -> None:
@@ -41,7 +42,6 @@ def _positive_ints(text: str, what: str) -> list[int]:
 
 
 def run_scaling(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     for name in ("steps", "global_batch"):
@@ -52,7 +52,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("runs") / time.strftime("bench-scaling-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     train_args = ["--task", args.task, "--steps", str(args.steps), *args.train_args]
-    console = Console()
+    console = make_console()
     reports = []
     for run in runs:
         console.print(f"running {run.name} ...")

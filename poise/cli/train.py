@@ -20,6 +20,7 @@ from typing import Any
 
 from poise import config as cfg
 from poise.cli.flags import add_config_flags, resolve
+from poise.log import make_console
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show_summary(report_path: Path) -> None:
-    from rich.console import Console
 
     from poise.diagnostics.report import summary_table
 
     report = json.loads(report_path.read_text())
-    console = Console()
+    console = make_console()
     console.print(summary_table(report))
     out = report_path.parent
     for name in ("config.toml", "report.json", "trace.json", "timeline.png"):

@@ -61,10 +61,13 @@ def run_job(run: ScalingRun, out_dir: Path, train_args: list[str], timeout_s: fl
         "--diagnostics.progress", "false", "--diagnostics.plot", "false",
     ]
     log.info("scaling run %s: %s", run.name, " ".join(cmd[1:]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "train.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s)
     if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"scaling run {run.name} failed (exit {proc.returncode}): {tail}")
+        tail = (log_path.read_text().strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"scaling run {run.name} failed (exit {proc.returncode}, see {log_path}): {tail}")
     return json.loads((out / "report.json").read_text())
 
 

@@ -25,6 +25,7 @@ import sysconfig
 import tempfile
 import time
 import tokenize
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,7 @@ _MIN_SAMPLE_BYTES = 2  # one input byte and one target byte
 # --------------------------------------------------------------------------- corpus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # numpy fields have no boolean ==
 class Corpus:
     """All top-level definitions of the stdlib, as one byte blob plus a per-sample index.
 
@@ -82,7 +83,7 @@ class Corpus:
 
     @property
     def num_samples(self) -> int:
-        return int(self.lengths.shape[0])
+        return len(self.lengths)
 
 
 class _CacheInvalid(Exception):
@@ -151,7 +152,11 @@ def extract_definitions(source: bytes) -> list[bytes]:
     # (this also drops a BOM, which the tokenizer would not count either).
     encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
     text = source.decode(encoding)
-    tree = ast.parse(text)
+    with warnings.catch_warnings():
+        # Old stdlib test files have invalid escapes; the warnings say nothing about us.
+        warnings.simplefilter("ignore", category=SyntaxWarning)
+        warnings.simplefilter("ignore", category=DeprecationWarning)
+        tree = ast.parse(text)
     source = text.encode("utf-8")
     starts = _line_starts(source)
     definitions = []
@@ -201,10 +206,10 @@ def _build_corpus(root: Path, files: Sequence[tuple[str, Path, os.stat_result]])
         if gc_was_enabled:
             gc.enable()
     logger.debug("code-lm: %d of %d stdlib files failed to parse", num_skipped, len(files))
+    if not chunks:
+        raise RuntimeError(f"code-lm found no top-level definitions under {root}")
     lengths = np.array([len(c) for c in chunks], dtype=np.int64)
-    offsets = np.zeros_like(lengths)
-    if len(lengths) > 1:
-        offsets[1:] = np.cumsum(lengths[:-1])
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     blob = np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
     return Corpus(
         stdlib_root=str(root),
@@ -218,11 +223,8 @@ def _build_corpus(root: Path, files: Sequence[tuple[str, Path, os.stat_result]])
 
 
 def _write_atomically(target: Path, write: Any) -> None:
-    """Write via a temp file in the same directory, fsync, then ``os.replace``.
-
-    Readers (other ranks sharing the cache directory) see either the old file or the
-    complete new one, never a partial write.
-    """
+    """Write via a temp file in the same directory, fsync, then ``os.replace``, so readers
+    (other ranks sharing the cache) see the old file or the complete new one, never a part."""
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -257,16 +259,9 @@ def _save_cache(cache_dir: Path, corpus: Corpus, key: str) -> None:
 
 
 def _load_cache(cache_dir: Path, key: str) -> Corpus:
-    """Read and verify the cache.
-
-    Raises:
-        FileNotFoundError: no cache yet.
-        _CacheInvalid: the cache is corrupt or was built from a different stdlib.
-    """
-    index_path = cache_dir / _INDEX_NAME
-    raw = index_path.read_bytes()
+    """Read and verify the cache; raise ``_CacheInvalid`` if it is corrupt or stale."""
     try:
-        index = json.loads(raw)
+        index = json.loads((cache_dir / _INDEX_NAME).read_bytes())
         if index.get("format") != _CACHE_FORMAT or index.get("key") != key:
             raise _CacheInvalid("built for a different stdlib, Python version or format")
         blob = np.load(cache_dir / _BLOB_NAME, allow_pickle=False)
@@ -277,8 +272,6 @@ def _load_cache(cache_dir: Path, key: str) -> Corpus:
         stored_sha = index["blob_sha256"]
     except _CacheInvalid:
         raise
-    except FileNotFoundError as exc:
-        raise _CacheInvalid(f"blob missing ({exc.filename})") from exc
     except (ValueError, KeyError, TypeError, OSError, EOFError) as exc:
         raise _CacheInvalid(f"unreadable ({type(exc).__name__}: {exc})") from exc
     if blob.dtype != np.uint8 or blob.ndim != 1:
@@ -325,26 +318,25 @@ def load_corpus(cache_dir: Path) -> Corpus:
     files = _list_source_files(root)
     key = _cache_key(root, files)
     start_s = time.perf_counter()
-    try:
-        corpus = _load_cache(cache_dir, key)
-    except FileNotFoundError:
-        pass
-    except _CacheInvalid as exc:
-        logger.warning("code-lm cache in %s is unusable (%s); rebuilding it", cache_dir, exc)
-    else:
-        logger.debug(
-            "code-lm: loaded %d samples from cache in %.3f s",
-            corpus.num_samples,
-            time.perf_counter() - start_s,
-        )
-        return corpus
+    if (cache_dir / _INDEX_NAME).exists():
+        try:
+            corpus = _load_cache(cache_dir, key)
+        except _CacheInvalid as exc:
+            logger.warning("code-lm cache in %s is unusable (%s); rebuilding it", cache_dir, exc)
+        else:
+            elapsed_s = time.perf_counter() - start_s
+            logger.debug(
+                "code-lm: loaded %d samples from cache in %.3f s", len(corpus.lengths), elapsed_s
+            )
+            return corpus
     corpus = _build_corpus(root, files)
     _save_cache(cache_dir, corpus, key)
+    elapsed_s = time.perf_counter() - start_s
     logger.info(
-        "code-lm: indexed %d samples from %d stdlib files in %.2f s (cache: %s)",
-        corpus.num_samples,
+        "code-lm: indexed %d samples from %d stdlib files in %.2f s into %s",
+        len(corpus.lengths),
         len(corpus.paths),
-        time.perf_counter() - start_s,
+        elapsed_s,
         cache_dir,
     )
     return corpus
@@ -363,9 +355,6 @@ def is_validation_file(relative_path: str) -> bool:
 def split_indices(corpus: Corpus) -> tuple[np.ndarray, np.ndarray]:
     """Return ``(train, validation)`` sample indices (int64, ascending) split by file."""
     held_out_files = np.array([is_validation_file(p) for p in corpus.paths], dtype=bool)
-    if not len(held_out_files):
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty
     held_out = held_out_files[corpus.file_ids]
     return np.flatnonzero(~held_out).astype(np.int64), np.flatnonzero(held_out).astype(np.int64)
 
@@ -379,15 +368,14 @@ def corpus_stats(corpus: Corpus, max_seq_len: int = 1024) -> dict[str, float | i
         (share of samples with at least ``max_seq_len`` bytes, i.e. truncated to the cap).
     """
     lengths = corpus.lengths
-    has_samples = corpus.num_samples > 0
     return {
         "num_files": len(corpus.paths),
         "num_samples": corpus.num_samples,
         "blob_bytes": int(corpus.blob.nbytes),
-        "median_bytes": float(np.median(lengths)) if has_samples else 0.0,
-        "p99_bytes": float(np.percentile(lengths, 99)) if has_samples else 0.0,
-        "max_bytes": int(lengths.max()) if has_samples else 0,
-        "fraction_at_cap": float(np.mean(lengths >= max_seq_len)) if has_samples else 0.0,
+        "median_bytes": float(np.median(lengths)),
+        "p99_bytes": float(np.percentile(lengths, 99)),
+        "max_bytes": int(lengths.max()),
+        "fraction_at_cap": float(np.mean(lengths >= max_seq_len)),
     }
 
 
@@ -416,9 +404,7 @@ class ByteSampleDataset(Dataset[torch.Tensor]):
         return torch.from_numpy(self.blob[start : start + int(self.lengths[index])].copy())
 
 
-def make_datasets(
-    corpus: Corpus, max_seq_len: int
-) -> tuple[ByteSampleDataset, ByteSampleDataset]:
+def make_datasets(corpus: Corpus, max_seq_len: int) -> tuple[ByteSampleDataset, ByteSampleDataset]:
     """Split the corpus by file and truncate every sample to ``max_seq_len`` bytes."""
     train, validation = split_indices(corpus)
     truncated = np.minimum(corpus.lengths, max_seq_len)
@@ -512,9 +498,7 @@ class ByteTransformer(nn.Module):
         self.max_seq_len = max_seq_len
         self.token_embedding = nn.Embedding(VOCAB_SIZE, d_model)
         self.position_embedding = nn.Embedding(max_seq_len, d_model)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(d_model, num_heads) for _ in range(num_layers)
-        )
+        self.blocks = nn.ModuleList(TransformerBlock(d_model, num_heads) for _ in range(num_layers))
         self.final_norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB_SIZE)
         self.apply(_init_weights)

@@ -1,0 +1,33 @@
+"""``poise bench scaling`` end to end on a few steps of the small task."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_poise
+
+pytestmark = pytest.mark.e2e
+
+
+def test_scaling_bench_prints_table_and_writes_json(tmp_path):
+    proc = run_poise("bench", "scaling", "--task", "digits", "--steps", "6", "--global-batch", "32",
+                     "--out", str(tmp_path), timeout_s=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "efficiency" in proc.stdout
+    data = json.loads((tmp_path / "scaling.json").read_text())
+    runs = {r["kind"]: r for r in data["runs"]}
+    assert set(runs) == {"baseline", "strong", "weak"}
+    assert runs["baseline"]["workers"] == 1 and runs["baseline"]["global_batch"] == 32
+    assert runs["strong"]["workers"] == 2 and runs["strong"]["global_batch"] == 32
+    assert runs["weak"]["global_batch"] == 64
+    assert runs["baseline"]["efficiency"] == pytest.approx(1.0)
+    for r in data["runs"]:
+        assert r["throughput_tokens_per_s"] > 0 and r["efficiency"] > 0
+
+
+def test_scaling_bench_rejects_bad_worker_counts(tmp_path):
+    proc = run_poise("bench", "scaling", "--workers", "2,x", "--out", str(tmp_path), timeout_s=60)
+    assert proc.returncode == 2
+    assert "--workers='2,x' is invalid" in proc.stderr

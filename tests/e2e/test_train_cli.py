@@ -1,0 +1,112 @@
+"""``poise train`` end to end: the real CLI, torch's elastic launcher, two gloo workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poise import config as cfg
+from tests.conftest import ROOT, run_poise
+
+pytestmark = pytest.mark.e2e
+
+REPORT_KEYS = {
+    "task", "world_size", "steps", "wall_s", "throughput_samples_per_s", "throughput_tokens_per_s",
+    "balance", "idle_fraction", "comm_fraction", "bytes_communicated_per_step", "eval_loss",
+    "eval_accuracy", "per_rank", "config",
+}
+QUIET = ("--diagnostics.progress", "false")
+
+
+def _report(out: Path) -> dict:
+    report = json.loads((out / "report.json").read_text())
+    assert REPORT_KEYS <= report.keys()
+    for name in ("config.toml", "trace.json"):
+        assert (out / name).is_file()
+    return report
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("digits")
+    proc = run_poise("train", "--task", "digits", "--nproc", "2", "--steps", "60", "--out", str(out), *QUIET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval accuracy" in proc.stdout  # the summary table
+    return out
+
+
+def test_digits_trains_to_a_sound_accuracy(digits_run):
+    report = _report(digits_run)
+    assert report["world_size"] == 2 and report["steps"] == 60
+    assert report["eval_accuracy"] >= 0.95
+    assert report["train_loss_last"] < report["train_loss_first"]
+    assert len(report["per_rank"]) == 2
+    assert 0.0 < report["balance"] <= 1.0
+    assert report["bytes_communicated_per_step"] > 0
+    assert (digits_run / "timeline.png").stat().st_size > 1000
+    trace = json.loads((digits_run / "trace.json").read_text())
+    tracks = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert tracks == {0, 1}
+
+
+def test_plain_torchrun_runs_the_same_worker(digits_run, tmp_path):
+    config = cfg.load(digits_run / "config.toml")
+    data = cfg.to_dict(config)
+    data["out_dir"] = str(tmp_path)
+    data["train"]["steps"] = 5
+    path = cfg.save(cfg.from_dict(data), tmp_path / "config.toml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "poise.runtime.worker", "--config", str(path)],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _report(tmp_path)["steps"] == 5
+
+
+def test_code_lm_short_run(tmp_path, cache_dir):
+    proc = run_poise(
+        "train", "--task", "code-lm", "--nproc", "2", "--steps", "8", "--max-seq-len", "128",
+        "--batch-tokens", "1024", "--task.eval_max_samples", "64", "--task.cache_dir", str(cache_dir),
+        "--diagnostics.gather_every_steps", "3", "--out", str(tmp_path), *QUIET,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["steps"] == 8
+    assert report["eval_loss_unit"] == "bits/byte"
+    assert 0 < report["eval_loss"] < 8.5  # < 8 bits/byte + noise: better than uniform over 256
+    assert report["throughput_tokens_per_s"] > 0
+    assert report["config"]["train"]["batch_tokens"] == 1024
+
+
+def test_crashing_worker_fails_the_job_with_its_error(tmp_path):
+    proc = run_poise(
+        "train", "--task", "digits", "--nproc", "2", "--steps", "20", "--out", str(tmp_path),
+        "--faults.crash_rank", "1", "--faults.crash_step", "3", "--dist.timeout_s", "30", *QUIET,
+        timeout_s=120,
+    )
+    assert proc.returncode == 1
+    assert "poise train: rank 1 failed (exit code 1): InjectedFault: injected fault: rank 1 fails at step 3" in proc.stderr
+    assert not (tmp_path / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--task", "cifar"], "task.name='cifar' is unknown: allowed are code-lm, digits"),
+        (["--nproc", "0"], "dist.nproc=0 is invalid"),
+        (["--nproc", "100000"], "dist.nproc=100000 is not sensible"),
+        (["--batch-size", "-1"], "train.batch_size=-1 is invalid"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message):
+    proc = run_poise("train", *argv, timeout_s=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -238,7 +238,7 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
             raise ValueError(f"{key}={value!r} is not a valid {target.__name__}") from None
     if target is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if target is int and isinstance(value, bool) or not isinstance(value, target):
+    if (target is int and isinstance(value, bool)) or not isinstance(value, target):
         raise ValueError(f"{key}={value!r} has the wrong type: expected {target.__name__}")
     return value
 

@@ -48,13 +48,14 @@ def launcher_args(config: cfg.RunConfig, config_path: Path) -> list[str]:
         raise ValueError(f"dist.nnodes={d.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
     else:
         args.append("--standalone")
-    return args + ["-m", "poise.runtime.worker", "--config", str(config_path)]
+    return [*args, "-m", "poise.runtime.worker", "--config", str(config_path)]
 
 
 def launch(config: cfg.RunConfig, config_path: Path) -> int:
     """Run the workers through torch.distributed.run; returns 0 or 1 (a worker failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run as elastic_run
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as elastic_run
 
     # torchrun would force 1 thread per worker and warn; the worker sets its own count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")

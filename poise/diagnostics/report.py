@@ -38,8 +38,11 @@ def _steady(table: np.ndarray) -> np.ndarray:
     return table[:, WARMUP_STEPS:] if table.shape[1] > WARMUP_STEPS else table
 
 
-def summarize(table: np.ndarray) -> dict[str, Any]:
-    """Report figures from a gathered timeline ``[ranks, steps, fields]`` (see module doc)."""
+def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
+    """Report figures from a gathered timeline ``[ranks, steps, fields]`` (see module doc).
+
+    ``loss_scale`` converts the recorded training loss (nats) to the reported unit.
+    """
     if table.shape[1] == 0:
         raise ValueError("no steps were recorded: nothing to summarize")
     steady = _steady(table)
@@ -52,7 +55,7 @@ def summarize(table: np.ndarray) -> dict[str, Any]:
     # Steps are synchronous: a step lasts as long as its slowest rank.
     total_s = float(column(table, "step_s").max(axis=0).sum())
     steady_step_s = float(np.median(step_s.max(axis=1)))
-    losses = column(table, "loss").mean(axis=0)  # per step, averaged over ranks
+    losses = loss_scale * column(table, "loss").mean(axis=0)  # per step, mean over ranks
     k = max(1, min(5, len(losses) // 4))
     per_rank = []
     for r in range(table.shape[0]):
@@ -137,7 +140,7 @@ def summary_table(report: dict[str, Any]) -> Any:
     table = Table(title=f"poise train: {report['task']} on {report['world_size']} ranks")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    unit = report.get("eval_loss_unit", "")
+    unit = report.get("loss_unit", "")
     rows = [
         ("steps", f"{report['steps']}"),
         ("wall time", f"{report['wall_s']:.1f} s"),
@@ -148,7 +151,7 @@ def summary_table(report: dict[str, Any]) -> Any:
         ("idle fraction", f"{report['idle_fraction']:.1%}"),
         ("comm fraction", f"{report['comm_fraction']:.1%}"),
         ("bytes communicated / step", f"{report['bytes_communicated_per_step'] / 1e6:.2f} MB"),
-        ("train loss (first → last)", f"{report['train_loss_first']:.3f} → {report['train_loss_last']:.3f}"),
+        ("train loss (first → last)", f"{report['train_loss_first']:.3f} → {report['train_loss_last']:.3f} {unit}"),
         ("eval loss", f"{report['eval_loss']:.4f} {unit}"),
         ("eval accuracy", f"{report['eval_accuracy']:.2%}"),
     ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +56,6 @@ def evaluate(model: nn.Module, task: Task, ctx: DistContext, *, max_samples: int
         dist.all_reduce(sums)
     loss_sum, correct, count = sums.tolist()
     count = max(count, 1.0)
-    loss = loss_sum / count
-    if task.loss_unit == "bits/byte":
-        loss /= math.log(2)
-    return EvalResult(loss=loss, accuracy=correct / count, count=int(count), unit=task.loss_unit)
+    return EvalResult(
+        loss=task.loss_in_unit(loss_sum / count), accuracy=correct / count, count=int(count), unit=task.loss_unit
+    )

@@ -60,7 +60,9 @@ def build_task_once_per_node(config: RunConfig, ctx: rdist.DistContext) -> Task:
     return task
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up, then cosine decay to 10% of the peak at ``total_steps``."""
     warmup = min(warmup_steps, max(1, total_steps // 10))
 
@@ -80,7 +82,8 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     seed_everything(config.train.seed, ctx.rank)
     task = build_task_once_per_node(config, ctx)
     tc = config.train
-    batch_size = tc.batch_size if tc.batch_size is not None or tc.batch_tokens is not None else task.default_batch_size
+    # samples per rank per step; None when a token budget sizes the batches instead
+    batch_size = tc.batch_size or (None if tc.batch_tokens else task.default_batch_size)
 
     torch.manual_seed(tc.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
@@ -130,9 +133,8 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
                 log.info("step %d/%d loss %.4f step %.0f ms", step + 1, total_steps, rec.loss, rec.step_s * 1e3)
     timeline.flush()
 
-    result = evaluate(
-        ddp.module, task, ctx, max_samples=config.task.eval_max_samples, batch_size=batch_size or task.default_batch_size
-    )
+    eval_batch = batch_size or task.default_batch_size
+    result = evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples, batch_size=eval_batch)
     if not ctx.is_main:
         return None
     table = timeline.table()
@@ -142,9 +144,9 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "wall_s": time.perf_counter() - started,
-        **report_mod.summarize(table),
+        **report_mod.summarize(table, loss_scale=task.loss_in_unit(1.0)),
+        "loss_unit": result.unit,
         "eval_loss": result.loss,
-        "eval_loss_unit": result.unit,
         "eval_accuracy": result.accuracy,
         "eval_count": result.count,
         "config": config_mod.to_dict(config),

@@ -9,6 +9,7 @@ balancing and communication layers treat every task the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,3 +93,7 @@ class Task:
     loss_unit: str
     default_batch_size: int
     default_lr: float
+
+    def loss_in_unit(self, nats: float) -> float:
+        """Convert a mean loss in nats to ``loss_unit`` (bits per byte divide by ln 2)."""
+        return nats / math.log(2) if self.loss_unit == "bits/byte" else nats

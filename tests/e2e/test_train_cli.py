@@ -77,7 +77,7 @@ def test_code_lm_short_run(tmp_path, cache_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _report(tmp_path)
     assert report["steps"] == 8
-    assert report["eval_loss_unit"] == "bits/byte"
+    assert report["loss_unit"] == "bits/byte"
     assert 0 < report["eval_loss"] < 8.5  # < 8 bits/byte + noise: better than uniform over 256
     assert report["throughput_tokens_per_s"] > 0
     assert report["config"]["train"]["batch_tokens"] == 1024
@@ -90,7 +90,8 @@ def test_crashing_worker_fails_the_job_with_its_error(tmp_path):
         timeout_s=120,
     )
     assert proc.returncode == 1
-    assert "poise train: rank 1 failed (exit code 1): InjectedFault: injected fault: rank 1 fails at step 3" in proc.stderr
+    expected = "poise train: rank 1 failed (exit code 1): InjectedFault: injected fault: rank 1 fails at step 3"
+    assert expected in proc.stderr
     assert not (tmp_path / "report.json").exists()
 
 

@@ -64,7 +64,7 @@ def test_unknown_keys_in_file_are_rejected(tmp_path):
 def test_wrong_types_and_broken_files(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text('[train]\nsteps = "many"\n')
-    with pytest.raises(ValueError, match="train.steps='many' is not a valid int"):
+    with pytest.raises(ValueError, match=r"train\.steps='many' is not a valid int"):
         resolve(parse("--config", str(f)))
     f.write_text("[train\n")
     with pytest.raises(ValueError, match="not valid TOML"):

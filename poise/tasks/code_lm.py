@@ -609,5 +609,5 @@ def build_code_lm_task(
         eval_sums=code_lm_eval_sums,
         loss_unit="bits/byte",
         default_batch_size=8,
-        default_lr=3e-3,
+        default_lr=1e-3,
     )

@@ -252,12 +252,13 @@ def test_losses_agree_and_training_reduces_loss(stdlib_cache_dir: Path) -> None:
     assert sums.count == batch.num_tokens - batch.num_samples  # one target per byte after the first
     assert sums.loss_sum / sums.count == pytest.approx(loss.item(), rel=1e-5)
     assert loss.item() == pytest.approx(np.log(256), rel=0.05)  # near-uniform at init
-    optimizer = torch.optim.AdamW(model.parameters(), lr=task.default_lr)
-    for _ in range(20):
+    # Overfitting one batch checks the loss is wired to the parameters, not the default lr.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(30):
         optimizer.zero_grad()
         task.train_loss(model, batch).backward()
         optimizer.step()
-    assert task.train_loss(model, batch).item() < 0.8 * loss.item()
+    assert task.train_loss(model, batch).item() < 0.7 * loss.item()
 
 
 @pytest.mark.parametrize(

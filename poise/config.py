@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from poise.files import write_text_atomic
+
 TASK_NAMES = ("code-lm", "digits")
 BACKENDS = ("auto", "gloo", "nccl")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
@@ -330,16 +332,8 @@ def dumps(config: RunConfig) -> str:
 
 
 def save(config: RunConfig, path: str | Path) -> Path:
-    """Write the resolved config atomically (temp file, fsync, rename) and return its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(dumps(config))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    """Write the resolved config atomically and return its path."""
+    return write_text_atomic(path, dumps(config))
 
 
 def config_hash(config: RunConfig) -> str:

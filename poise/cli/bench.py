@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.diagnostics import scaling
-from poise.diagnostics.report import write_json
+from poise.files import write_json_atomic
 from poise.log import make_console
 
 
@@ -75,7 +75,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     for row in rows:
         table.add_row(*(fmt(row[h]) for h, fmt in headers.items()))
     console.print(table)
-    path = write_json({"bench": "scaling", "task": args.task, "steps": args.steps, "runs": rows,
+    path = write_json_atomic({"bench": "scaling", "task": args.task, "steps": args.steps, "runs": rows,
                        "train_args": train_args}, out / "scaling.json")
     console.print(f"wrote {path}")
     return 0

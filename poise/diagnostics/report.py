@@ -16,8 +16,6 @@ allocations, and is not what a user's run looks like.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -80,18 +78,6 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "train_loss_last": float(losses[-k:].mean()),
         "per_rank": per_rank,
     }
-
-
-def write_json(data: dict[str, Any], path: str | Path) -> Path:
-    """Write JSON atomically (temp file, fsync, rename): a crash never leaves half a report."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
 
 
 def plot_timeline(table: np.ndarray, path: str | Path) -> Path:

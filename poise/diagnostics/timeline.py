@@ -20,13 +20,14 @@ Rank 0 keeps the full history and exports it as a Chrome trace (open in Perfetto
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from poise.files import write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,4 @@ def chrome_trace(table: np.ndarray) -> dict:
 
 def write_chrome_trace(table: np.ndarray, path: str | Path) -> Path:
     """Write :func:`chrome_trace` of ``table`` to ``path``."""
-    path = Path(path)
-    path.write_text(json.dumps(chrome_trace(table)))
-    return path
+    return write_json_atomic(path, chrome_trace(table), indent=None)

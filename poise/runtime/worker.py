@@ -31,6 +31,7 @@ from poise.comm.hooks import BucketProbe, allreduce_hook, instrumented
 from poise.config import RunConfig
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.timeline import Timeline, write_chrome_trace
+from poise.files import write_json_atomic
 from poise.log import setup_logging, step_progress
 from poise.runtime import dist as rdist
 from poise.runtime.evaluate import evaluate
@@ -151,7 +152,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         "eval_count": result.count,
         "config": config_mod.to_dict(config),
     }
-    report_mod.write_json(report, out / "report.json")
+    write_json_atomic(report, out / "report.json")
     write_chrome_trace(table, out / "trace.json")
     if config.diagnostics.plot:
         report_mod.plot_timeline(table, out / "timeline.png")

@@ -152,7 +152,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         "eval_count": result.count,
         "config": config_mod.to_dict(config),
     }
-    write_json_atomic(report, out / "report.json")
+    write_json_atomic(out / "report.json", report)
     write_chrome_trace(table, out / "trace.json")
     if config.diagnostics.plot:
         report_mod.plot_timeline(table, out / "timeline.png")

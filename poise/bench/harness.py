@@ -1,0 +1,87 @@
+"""What every benchmark family shares: running real training jobs, tables, JSON output.
+
+A family module exposes ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``; the
+``poise bench`` command lists them in one dict (``poise/cli/bench.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from poise.files import write_json_atomic
+from poise.log import make_console
+
+log = logging.getLogger(__name__)
+
+Column = tuple[str, str, Callable[[Any], str]]  # (row key, header, formatter)
+
+
+def output_dir(requested: str, family: str) -> Path:
+    """``requested`` or ``runs/bench-<family>-<timestamp>``, created."""
+    out = Path(requested or Path("runs") / time.strftime(f"bench-{family}-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_train_job(name: str, out_dir: Path, train_args: Sequence[str], timeout_s: float) -> dict[str, Any]:
+    """Run ``poise train`` (the real CLI and launcher) in a subprocess; return its report.
+
+    Output goes to ``out_dir/name/train.log``; a failed job raises RuntimeError naming it.
+    """
+    out = out_dir / name
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "poise", "train", *train_args, "--out", str(out),
+           "--diagnostics.progress", "false", "--diagnostics.plot", "false"]
+    log.info("bench job %s: poise train %s", name, " ".join(train_args))
+    log_path = out / "train.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = (log_path.read_text().strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"bench job {name} failed (exit {proc.returncode}, see {log_path}): {tail}")
+    return json.loads((out / "report.json").read_text())
+
+
+def show_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> None:
+    """Print ``rows`` as a rich table with the given columns."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for _, header, _ in columns:
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(*(fmt(row[key]) if key in row else "-" for key, _, fmt in columns))
+    make_console().print(table)
+
+
+def save_results(out_dir: Path, family: str, data: dict[str, Any]) -> Path:
+    """Write ``<out_dir>/<family>.json`` atomically and say where."""
+    path = write_json_atomic(out_dir / f"{family}.json", {"bench": family, **data})
+    make_console().print(f"wrote {path}")
+    return path
+
+
+def positive_ints(text: str, flag: str) -> list[int]:
+    """Parse ``"1,2,4"``; raise a one-line ValueError naming ``flag`` otherwise."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag}={text!r} is invalid: give positive integers separated by commas")
+    return values
+
+
+def require_positive(args: Any, *names: str) -> None:
+    """One-line ValueError for the first of ``args.<name>`` that is not > 0."""
+    for name in names:
+        value = getattr(args, name)
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be positive")

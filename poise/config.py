@@ -27,6 +27,8 @@ from poise.files import write_text_atomic
 
 TASK_NAMES = ("code-lm", "digits")
 BACKENDS = ("auto", "gloo", "nccl")
+# Gradient codecs (poise.comm.codecs.CODECS) plus torch's own hooks, for comparison.
+CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16", "torch-powersgd")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
 MAX_LOCAL_WORKERS = 64
 
@@ -139,6 +141,31 @@ class DistConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    """How gradients are communicated: the DDP communication hook and its codec."""
+
+    codec: str = _field("none", f"gradient codec: {', '.join(CODEC_NAMES)}")
+    error_feedback: bool = _field(True, "add each bucket's compression error back into the next step")
+    topk_ratio: float = _field(0.01, "topk/randomk: share of gradient entries sent, in (0, 1]")
+    powersgd_rank: int = _field(4, "powersgd: rank of the low-rank approximation")
+    int8_chunk_size: int = _field(1024, "int8: entries per scale (one fp32 scale per chunk)")
+    start_step: int = _field(2, "steps run uncompressed first (DDP rebuilds buckets after step 1)")
+    on_nonfinite: str = _field("error", "NaN/Inf in a gradient: 'error' stops, 'skip' skips the step and logs")
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"comm.codec={self.codec!r} is unknown: allowed are {', '.join(CODEC_NAMES)}")
+        if not 0.0 < self.topk_ratio <= 1.0:
+            raise ValueError(f"comm.topk_ratio={self.topk_ratio} is outside (0, 1]")
+        _positive("comm", "powersgd_rank", self.powersgd_rank, allow_none=False)
+        _positive("comm", "int8_chunk_size", self.int8_chunk_size, allow_none=False)
+        if self.start_step < 0:
+            raise ValueError(f"comm.start_step={self.start_step} must be >= 0")
+        if self.on_nonfinite not in ("error", "skip"):
+            raise ValueError(f"comm.on_nonfinite={self.on_nonfinite!r} is unknown: allowed are error, skip")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DiagnosticsConfig:
     """What is measured and written."""
 
@@ -175,6 +202,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
 

@@ -10,19 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from poise.tasks import code_lm
+from poise.tasks import stdlib_corpus
 from poise.tasks.base import IGNORE_INDEX, Task
-from poise.tasks.code_lm import (
-    ByteTransformer,
-    build_code_lm_task,
-    collate_bytes,
+from poise.tasks.code_lm import ByteTransformer, build_code_lm_task, collate_bytes
+from poise.tasks.digits import build_digits_task
+from poise.tasks.stdlib_corpus import (
+    Corpus,
     corpus_stats,
     extract_definitions,
     is_validation_file,
     load_corpus,
     split_indices,
 )
-from poise.tasks.digits import build_digits_task
 
 SMALL_MODEL = {"d_model": 32, "num_layers": 2, "num_heads": 4}
 
@@ -36,7 +35,7 @@ def stdlib_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stdlib_corpus(stdlib_cache_dir: Path) -> code_lm.Corpus:
+def real_corpus(stdlib_cache_dir: Path) -> Corpus:
     return load_corpus(stdlib_cache_dir)
 
 
@@ -52,7 +51,7 @@ def fake_stdlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (root / "pkg" / "b.py").write_bytes(b"@decorate\nasync def g():\n    await h()\n")
     (root / "broken.py").write_bytes(b"def (:\n")
     (root / "site-packages" / "third_party.py").write_bytes(b"def not_stdlib():\n    pass\n")
-    monkeypatch.setattr(code_lm, "stdlib_root", lambda: root)
+    monkeypatch.setattr(stdlib_corpus, "stdlib_root", lambda: root)
     return root
 
 
@@ -121,7 +120,7 @@ def test_corrupt_cache_is_rebuilt_with_one_warning(
         blob_path.write_bytes(blob_path.read_bytes()[:-5])
     else:
         (cache_dir / "code_lm_index.json").write_text("{not json")
-    with caplog.at_level(logging.WARNING, logger=code_lm.__name__):
+    with caplog.at_level(logging.WARNING, logger=stdlib_corpus.__name__):
         rebuilt = load_corpus(cache_dir)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "rebuilding" in warnings[0].getMessage()
@@ -136,7 +135,7 @@ def test_changed_stdlib_invalidates_cache(
     cache_dir = tmp_path / "cache"
     load_corpus(cache_dir)
     (fake_stdlib / "new.py").write_bytes(b"def added():\n    pass\n")
-    with caplog.at_level(logging.WARNING, logger=code_lm.__name__):
+    with caplog.at_level(logging.WARNING, logger=stdlib_corpus.__name__):
         corpus = load_corpus(cache_dir)
     assert not corpus.from_cache and "new.py" in corpus.paths
     assert sum(r.levelno == logging.WARNING for r in caplog.records) == 1
@@ -145,30 +144,30 @@ def test_changed_stdlib_invalidates_cache(
 # --------------------------------------------------------------------------- real corpus
 
 
-def test_stdlib_corpus_stats(stdlib_corpus: code_lm.Corpus) -> None:
-    stats = corpus_stats(stdlib_corpus, max_seq_len=1024)
+def test_stdlib_corpus_stats(real_corpus: Corpus) -> None:
+    stats = corpus_stats(real_corpus, max_seq_len=1024)
     assert stats["num_samples"] > 5000
     assert stats["num_files"] > 500
     assert 100 < stats["median_bytes"] < 2000
     assert stats["p99_bytes"] > 1024
     assert 0.05 < stats["fraction_at_cap"] < 0.9
-    assert stdlib_corpus.lengths.min() >= 2
+    assert real_corpus.lengths.min() >= 2
 
 
-def test_stdlib_cache_is_reused(stdlib_cache_dir: Path, stdlib_corpus: code_lm.Corpus) -> None:
-    assert stdlib_corpus.from_cache
-    assert not any("site-packages" in p or "dist-packages" in p for p in stdlib_corpus.paths)
+def test_stdlib_cache_is_reused(stdlib_cache_dir: Path, real_corpus: Corpus) -> None:
+    assert real_corpus.from_cache
+    assert not any("site-packages" in p or "dist-packages" in p for p in real_corpus.paths)
 
 
-def test_split_is_deterministic_and_disjoint_by_file(stdlib_corpus: code_lm.Corpus) -> None:
-    train, validation = split_indices(stdlib_corpus)
-    train_again, validation_again = split_indices(stdlib_corpus)
+def test_split_is_deterministic_and_disjoint_by_file(real_corpus: Corpus) -> None:
+    train, validation = split_indices(real_corpus)
+    train_again, validation_again = split_indices(real_corpus)
     np.testing.assert_array_equal(train, train_again)
     np.testing.assert_array_equal(validation, validation_again)
     assert len(np.intersect1d(train, validation)) == 0
-    assert len(train) + len(validation) == stdlib_corpus.num_samples
-    train_files = set(stdlib_corpus.file_ids[train].tolist())
-    validation_files = set(stdlib_corpus.file_ids[validation].tolist())
+    assert len(train) + len(validation) == real_corpus.num_samples
+    train_files = set(real_corpus.file_ids[train].tolist())
+    validation_files = set(real_corpus.file_ids[validation].tolist())
     assert train_files.isdisjoint(validation_files)
     held_out_share = len(validation_files) / (len(train_files) + len(validation_files))
     assert 0.02 < held_out_share < 0.10

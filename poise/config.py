@@ -27,6 +27,7 @@ from poise.files import write_text_atomic
 
 TASK_NAMES = ("code-lm", "digits")
 BACKENDS = ("auto", "gloo", "nccl")
+BALANCE_STRATEGIES = ("static", "cost", "dynamic")
 # Gradient codecs (poise.comm.codecs.CODECS) plus torch's own hooks, for comparison.
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16", "torch-powersgd")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
@@ -141,6 +142,64 @@ class DistConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BalanceConfig:
+    """How work is split across ranks (see poise/balance/)."""
+
+    strategy: str = _field(
+        "static", f"data split: {', '.join(BALANCE_STRATEGIES)} (static = DistributedSampler, equal sample counts)"
+    )
+    cost_model: str = _field("auto", "per-sample cost: auto (the task's), linear (L), attention (L + alpha*L^2)")
+    cost_alpha: float | None = _field(None, "attention cost's alpha per token (default: the task's prior, then fitted)")
+    fit_alpha: bool = _field(True, "dynamic: refit alpha from measured step times at each re-plan")
+    bucket_steps: int = _field(50, "length bucketing: samples of this many steps are sorted by length together")
+    cold_start_steps: int = _field(10, "dynamic: steps on the equal split before the first re-plan")
+    window_steps: int = _field(50, "dynamic: steps of measurements behind each speed estimate (20-100)")
+    replan_every_steps: int = _field(50, "dynamic: steps between re-plans after the first")
+    max_share_change: float = _field(0.15, "dynamic: largest relative change of a rank's share per re-plan, (0, 1]")
+    rank_speed: str = _field("", "emulated heterogeneity, RANK:SPEED,... with SPEED in (0, 1], e.g. '1:0.5'")
+    slowdown_method: str = _field("auto", "how rank_speed slows a rank: auto, cgroup (CPU quota), sleep")
+
+    def __post_init__(self) -> None:
+        if self.strategy not in BALANCE_STRATEGIES:
+            raise ValueError(
+                f"balance.strategy={self.strategy!r} is unknown: allowed are {', '.join(BALANCE_STRATEGIES)}"
+            )
+        if self.cost_model not in ("auto", "linear", "attention"):
+            raise ValueError(f"balance.cost_model={self.cost_model!r} is unknown: allowed are auto, linear, attention")
+        if self.cost_alpha is not None and self.cost_alpha < 0:
+            raise ValueError(f"balance.cost_alpha={self.cost_alpha} must be >= 0")
+        _positive("balance", "bucket_steps", self.bucket_steps, allow_none=False)
+        _positive("balance", "replan_every_steps", self.replan_every_steps, allow_none=False)
+        if self.cold_start_steps < 1:
+            raise ValueError(f"balance.cold_start_steps={self.cold_start_steps} must be >= 1")
+        if not 20 <= self.window_steps <= 100:
+            raise ValueError(f"balance.window_steps={self.window_steps} is outside the allowed 20-100")
+        if not 0.0 < self.max_share_change <= 1.0:
+            raise ValueError(f"balance.max_share_change={self.max_share_change} is outside (0, 1]")
+        if self.slowdown_method not in ("auto", "cgroup", "sleep"):
+            raise ValueError(
+                f"balance.slowdown_method={self.slowdown_method!r} is unknown: allowed are auto, cgroup, sleep"
+            )
+        self.rank_speeds()  # validates
+
+    def rank_speeds(self) -> dict[int, float]:
+        """``rank_speed`` parsed: rank -> speed factor in (0, 1] (1 = full speed)."""
+        speeds: dict[int, float] = {}
+        for item in filter(None, (p.strip() for p in self.rank_speed.split(","))):
+            rank, sep, speed = item.partition(":")
+            try:
+                r, s = int(rank), float(speed)
+            except ValueError:
+                r, s = -1, float("nan")
+            if not sep or r < 0:
+                raise ValueError(f"balance.rank_speed item {item!r} is invalid: give RANK:SPEED, e.g. 1:0.5")
+            if not 0.0 < s <= 1.0:
+                raise ValueError(f"balance.rank_speed: speed {speed!r} of rank {r} is outside (0, 1]")
+            speeds[r] = s
+        return speeds
+
+
+@dataclass(frozen=True, kw_only=True)
 class CommConfig:
     """How gradients are communicated: the DDP communication hook and its codec."""
 
@@ -202,6 +261,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)

@@ -1,75 +1,42 @@
-"""Which samples each rank trains on, step by step: the baseline data split.
+"""Batch samplers: the static baseline and the cost- and speed-aware :class:`BalancedBatchSampler`.
 
-The baseline is torch's own ``DistributedSampler`` (shuffle by seed and epoch, equal-size
-shares, ``drop_last``), cut into batches either of a fixed number of samples or up to a
-per-rank token budget (padded tokens counted, since padding costs compute too).
+Both are torch batch samplers (``DataLoader(batch_sampler=...)`` yields this rank's lists
+of sample indices) with ``set_epoch``, ``len`` (steps in the epoch, equal on every rank),
+``state_dict``/``load_state_dict`` (the position to checkpoint), and one more method the
+runtime uses: ``global_batches(step)``, every rank's indices for a step. Each rank can
+compute it without communicating, which is how a rank knows its share of the step's loss
+terms (for exact gradient weighting) and how all ranks agree on the number of steps.
 
-The schedule is plain data computed identically on every rank with no communication: each
-rank can derive every other rank's batches, which is how all ranks agree on how many steps an
-epoch has when token budgets give ranks different batch counts (the shortest wins, so no rank
-waits forever in a collective; what is cut is logged). Later strategies (cost- and
-speed-aware sharding) plug in here behind the same :class:`BatchSchedule` interface.
+- :class:`StaticSchedule`: torch's ``DistributedSampler`` (equal sample counts, shuffled by
+  seed and epoch, ``drop_last``) cut into fixed-size batches, or into per-rank token budgets
+  where the shortest rank sets the epoch's step count. The baseline.
+- :class:`BalancedBatchSampler`: the shard planner (:mod:`poise.balance.sharding`): steps of
+  a cost budget with length bucketing, split by predicted time using per-rank speeds that
+  can be updated between steps.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-log = logging.getLogger(__name__)
+from poise.balance.costs import AttentionCost, CostFn
+from poise.balance.sharding import plan_steps, split_step
+
+# cost(L) = L + α·L² with α ≈ 1/(6·d_model): a prior for small transformers; pass your own.
+DEFAULT_ALPHA = 1e-3
 
 
-def rank_batches(
-    lengths: np.ndarray,
-    *,
-    rank: int,
-    world_size: int,
-    epoch: int,
-    seed: int,
-    batch_size: int | None = None,
-    batch_tokens: int | None = None,
-) -> list[list[int]]:
-    """One rank's batches for one epoch, in order.
+class StaticSchedule:
+    """The baseline: ``DistributedSampler`` shares cut into batches (see module doc).
 
     Args:
-        lengths: tokens per sample (the cost metadata), one entry per training sample.
-        batch_size: samples per batch; incomplete last batch dropped.
-        batch_tokens: instead of ``batch_size``, a budget of padded tokens per batch
-            (``max length in batch × samples``); a sample longer than the budget gets a
-            batch of its own.
-
-    Returns:
-        Lists of dataset indices.
-    """
-    if (batch_size is None) == (batch_tokens is None):
-        raise ValueError("give exactly one of batch_size and batch_tokens")
-    sampler = DistributedSampler(
-        range(len(lengths)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-    )
-    sampler.set_epoch(epoch)
-    order = list(sampler)
-    if batch_size is not None:
-        return [order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for idx in order:
-        n = int(lengths[idx])
-        if current and max(longest, n) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(idx)
-        longest = max(longest, n)
-    return batches  # the last, partial batch is dropped like DistributedSampler's tail
-
-
-class BatchSchedule:
-    """This rank's batches over epochs, with every rank running the same number of steps.
-
-    Iterating yields lists of dataset indices (use it as a DataLoader ``batch_sampler``).
+        lengths: tokens per sample (only used with ``batch_tokens``).
+        batch_size: samples per rank per step; the incomplete last batch is dropped.
+        batch_tokens: instead, padded tokens per rank per step (``max length × samples``).
     """
 
     def __init__(
@@ -78,63 +45,187 @@ class BatchSchedule:
         *,
         rank: int,
         world_size: int,
-        seed: int,
+        seed: int = 0,
         batch_size: int | None = None,
         batch_tokens: int | None = None,
     ) -> None:
+        if (batch_size is None) == (batch_tokens is None):
+            raise ValueError("give exactly one of batch_size and batch_tokens")
         self.lengths = np.asarray(lengths)
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.batch_size = batch_size
-        self.batch_tokens = batch_tokens
-        if self.steps_in_epoch(0) == 0:
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
+        self.epoch, self.position = 0, 0
+        self._steps: list[list[np.ndarray]] = []
+        self.set_epoch(0)
+        if not self._steps:
             raise ValueError(
-                f"the training split ({len(self.lengths)} samples) is too small for "
-                f"{world_size} ranks with batch_size={batch_size} batch_tokens={batch_tokens}"
+                f"the training split ({len(self.lengths)} samples) is too small for {world_size} ranks "
+                f"with batch_size={batch_size} batch_tokens={batch_tokens}"
             )
 
-    def _batches(self, rank: int, epoch: int) -> list[list[int]]:
-        return rank_batches(
-            self.lengths,
-            rank=rank,
-            world_size=self.world_size,
-            epoch=epoch,
-            seed=self.seed,
-            batch_size=self.batch_size,
-            batch_tokens=self.batch_tokens,
+    def _rank_batches(self, rank: int) -> list[np.ndarray]:
+        sampler = DistributedSampler(
+            range(len(self.lengths)), num_replicas=self.world_size, rank=rank, shuffle=True, seed=self.seed,
+            drop_last=True,
         )
+        sampler.set_epoch(self.epoch)
+        order = np.fromiter(iter(sampler), dtype=np.int64)
+        if self.batch_size is not None:
+            n = len(order) // self.batch_size
+            return list(order[: n * self.batch_size].reshape(n, self.batch_size))
+        assert self.batch_tokens is not None
+        batches: list[np.ndarray] = []
+        start, longest = 0, 0
+        for k, idx in enumerate(order):
+            length = int(self.lengths[idx])
+            if k > start and max(longest, length) * (k - start + 1) > self.batch_tokens:
+                batches.append(order[start:k])
+                start, longest = k, 0
+            longest = max(longest, length)
+        return batches  # the last, partial batch is dropped like DistributedSampler's tail
 
-    def steps_in_epoch(self, epoch: int) -> int:
-        """Steps every rank runs in ``epoch``: the fewest batches any rank has."""
-        if self.batch_size is not None:  # equal shares, equal batch counts: no need to look
-            return len(self.lengths) // self.world_size // self.batch_size
-        return min(len(self._batches(r, epoch)) for r in range(self.world_size))
+    def set_epoch(self, epoch: int) -> None:
+        """Plan ``epoch``: every rank's batches, cut to the count of the rank with fewest."""
+        self.epoch, self.position = epoch, 0
+        per_rank = [self._rank_batches(r) for r in range(self.world_size)]
+        steps = min(len(b) for b in per_rank)
+        self._steps = [[per_rank[r][i] for r in range(self.world_size)] for i in range(steps)]
 
-    def epoch(self, epoch: int) -> list[list[int]]:
-        """This rank's batches for ``epoch``, cut to the common step count."""
-        batches = self._batches(self.rank, epoch)
-        steps = self.steps_in_epoch(epoch)
-        if len(batches) > steps:
-            log.debug("epoch %d: rank %d drops %d batches to match other ranks", epoch, self.rank, len(batches) - steps)
-        return batches[:steps]
+    def __len__(self) -> int:
+        return len(self._steps)
 
-    def iter_steps(self, num_steps: int | None = None, num_epochs: int | None = None) -> Iterator[list[int]]:
-        """Batches for ``num_steps`` steps (cycling epochs) or for ``num_epochs`` whole epochs."""
-        produced, epoch = 0, 0
-        while True:
-            if num_epochs is not None and epoch >= num_epochs:
-                return
-            for batch in self.epoch(epoch):
-                if num_steps is not None and produced >= num_steps:
-                    return
-                yield batch
-                produced += 1
-            epoch += 1
+    def global_batches(self, step: int) -> list[np.ndarray]:
+        """Every rank's sample indices for ``step`` of the current epoch."""
+        return self._steps[step]
 
-    def total_steps(self, num_steps: int | None = None, num_epochs: int | None = None) -> int:
-        """How many steps :meth:`iter_steps` will yield."""
-        if num_steps is not None:
-            return num_steps
-        assert num_epochs is not None
-        return sum(self.steps_in_epoch(e) for e in range(num_epochs))
+    def __iter__(self) -> Iterator[list[int]]:
+        while self.position < len(self):
+            batch = self.global_batches(self.position)[self.rank]
+            self.position += 1
+            yield batch.tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_epoch(int(state["epoch"]))
+        self.position = int(state["position"])
+
+
+class BalancedBatchSampler:
+    """This rank's batches under a cost- and speed-aware plan (see :mod:`poise.balance.sharding`).
+
+    All ranks built with the same arguments together cover every index exactly once per
+    epoch, and every rank gets the same number of steps. Speeds can change between steps
+    (:meth:`set_speeds`); the next step is split with the new ones.
+
+    Args:
+        lengths: tokens per sample (metadata; samples are never loaded to be costed).
+        rank, world_size: this rank and the number of ranks.
+        batch_cost: cost budget of one step summed over all ranks, in cost units.
+        cost_fn: length -> cost units (default ``L + DEFAULT_ALPHA·L²``).
+        speeds: relative speed per rank (default all equal); only ratios matter.
+        seed: shuffling seed, shared by all ranks.
+        drop_last: drop steps under half the budget (the partial steps at bucket ends).
+        bucket_steps: steps' worth of samples sorted by length together.
+
+    Example::
+
+        sampler = BalancedBatchSampler(lengths, rank=rank, world_size=world, batch_cost=32_768)
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for batch in loader: ...
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        rank: int,
+        world_size: int,
+        batch_cost: float,
+        cost_fn: CostFn | None = None,
+        speeds: Sequence[float] | None = None,
+        seed: int = 0,
+        drop_last: bool = False,
+        bucket_steps: int = 50,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside 0..{world_size - 1}")
+        self.lengths = np.asarray(lengths)
+        self.rank, self.world_size = rank, world_size
+        self.batch_cost = float(batch_cost)
+        self.cost_fn: CostFn = cost_fn or AttentionCost(DEFAULT_ALPHA)
+        self.seed, self.drop_last, self.bucket_steps = seed, drop_last, bucket_steps
+        self.speeds = np.ones(world_size)
+        if speeds is not None:
+            self.set_speeds(speeds)
+        self.epoch, self.position = 0, 0
+        self._steps: list[np.ndarray] = []
+        self._split_cache: tuple[int, bytes, list[np.ndarray]] | None = None
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Plan the steps of ``epoch`` (with the current cost function) and rewind to its start."""
+        self.epoch, self.position = epoch, 0
+        # Steps are grouped with the cost function of the epoch's start, so a cost refit
+        # mid-epoch changes how steps are split, never which samples the epoch still holds.
+        self._epoch_cost_fn = self.cost_fn
+        steps = plan_steps(
+            self.lengths, cost_fn=self.cost_fn, batch_cost=self.batch_cost, num_ranks=self.world_size,
+            seed=self.seed, epoch=epoch, bucket_steps=self.bucket_steps,
+        )
+        if self.drop_last:
+            steps = [s for s in steps if self.cost_fn(self.lengths[s]).sum() >= 0.5 * self.batch_cost]
+        self._steps = steps
+        self._split_cache = None
+
+    def set_cost_fn(self, cost_fn: CostFn) -> None:
+        """A new cost function: used to split the next step, and to group steps from the next epoch."""
+        self.cost_fn = cost_fn
+        self._split_cache = None
+
+    def set_speeds(self, speeds: Sequence[float] | np.ndarray) -> None:
+        """New relative speeds per rank (every rank must set the same ones)."""
+        values = np.asarray(speeds, dtype=np.float64)
+        if values.shape != (self.world_size,) or not np.all(np.isfinite(values)) or np.any(values <= 0):
+            raise ValueError(f"speeds must be {self.world_size} positive numbers, got {np.asarray(speeds).tolist()}")
+        self.speeds = values
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def global_batches(self, step: int) -> list[np.ndarray]:
+        """Every rank's sample indices for ``step`` of the current epoch, under the current speeds."""
+        key = self.speeds.tobytes()
+        if self._split_cache is None or self._split_cache[:2] != (step, key):
+            split = split_step(self._steps[step], self.lengths, self.cost_fn, self.speeds)
+            self._split_cache = (step, key, split.batches)
+        return self._split_cache[2]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while self.position < len(self):
+            batch = self.global_batches(self.position)[self.rank]
+            self.position += 1
+            yield batch.tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and speeds: enough to continue the epoch exactly where it stopped."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "speeds": self.speeds.tolist(),
+            # alphas of AttentionCost; a custom cost_fn must be passed again when loading
+            "alpha": getattr(self.cost_fn, "alpha", None),
+            "epoch_alpha": getattr(self._epoch_cost_fn, "alpha", None),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("epoch_alpha") is not None:
+            self.cost_fn = AttentionCost(float(state["epoch_alpha"]))
+        self.set_speeds(state["speeds"])
+        self.set_epoch(int(state["epoch"]))  # regroups with the epoch's own cost function
+        if state.get("alpha") is not None:
+            self.set_cost_fn(AttentionCost(float(state["alpha"])))
+        self.position = int(state["position"])

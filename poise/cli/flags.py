@@ -28,6 +28,10 @@ ALIASES = {
     "--node-rank": "dist.node_rank",
     "--rdzv-endpoint": "dist.rdzv_endpoint",
     "--out": "out_dir",
+    "--balance": "balance.strategy",
+    "--rank-speed": "balance.rank_speed",
+    "--codec": "comm.codec",
+    "--topk-ratio": "comm.topk_ratio",
 }
 _PREFIX = "config:"
 

@@ -7,8 +7,14 @@ Definitions (all over the measured steps, per-rank compute Tᵢ = forward + own 
 - ``comm_fraction``: share of step time blocked in communication *beyond* waiting for the
   slowest rank (Σ max(0, blocked − idle) / Σ step time), so imbalance is not counted twice.
 - ``blocked_fraction``: share of step time blocked in communication, waiting included.
-- throughput: samples (tokens) of all ranks per second of the median step, and overall
-  (total samples / summed step wall time of the slowest rank).
+- throughput: samples (real tokens) of all ranks / summed step time (a step lasts as long
+  as its slowest rank).
+- ``padding_waste``: padded tokens computed per real token, minus 1 (0 = no padding).
+- ``ideal_tokens_per_s``: the sum of the ranks' own speeds (real tokens per second of their
+  compute); ``throughput_vs_ideal`` = steady throughput / ideal, the share of the ranks'
+  combined speed that the job turned into progress.
+- ``balance_last_half``: balance over the second half of the steps, after a dynamic
+  re-planner has had time to converge.
 
 The first step is left out of medians and means: it pays for DDP's bucket rebuild and lazy
 allocations, and is not what a user's run looks like.
@@ -50,6 +56,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
     idle = compute.max(axis=1, keepdims=True) - compute
     samples = column(table, "samples").sum()
     tokens = column(table, "tokens").sum()
+    padded = column(table, "padded_tokens").sum()
     # Steps are synchronous: a step lasts as long as its slowest rank.
     total_s = float(column(table, "step_s").max(axis=0).sum())
     steady_step_s = float(np.median(step_s.max(axis=1)))
@@ -63,17 +70,25 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
             entry[f"median_{name}"] = float(np.median(column(one, name)))
         entry["samples_per_s"] = float(column(one, "samples").sum() / column(one, "step_s").sum())
         entry["tokens_per_s"] = float(column(one, "tokens").sum() / column(one, "step_s").sum())
+        entry["tokens_per_compute_s"] = float(column(one, "tokens").sum() / column(one, "compute_s").sum())
         per_rank.append(entry)
+    ideal = sum(r["tokens_per_compute_s"] for r in per_rank)
+    steady_tput = float(column(steady, "tokens").sum() / step_s.max(axis=1).sum())
+    step_balance = [balance(row) for row in compute]
     return {
         "steps": int(table.shape[1]),
         "throughput_samples_per_s": float(samples / total_s),
         "throughput_tokens_per_s": float(tokens / total_s),
         "median_step_s": steady_step_s,
-        "balance": float(np.mean([balance(row) for row in compute])),
+        "balance": float(np.mean(step_balance)),
+        "balance_last_half": float(np.mean(step_balance[len(step_balance) // 2 :])),
         "idle_fraction": idle_fraction(compute),
         "comm_fraction": float(np.clip(blocked - idle, 0, None).sum() / step_s.sum()),
         "blocked_fraction": float(blocked.sum() / step_s.sum()),
         "bytes_communicated_per_step": float(np.median(column(steady, "comm_bytes"))),
+        "padding_waste": float(padded / tokens - 1.0) if tokens else 0.0,
+        "ideal_tokens_per_s": ideal,
+        "throughput_vs_ideal": steady_tput / ideal if ideal else 0.0,
         "train_loss_first": float(losses[:k].mean()),
         "train_loss_last": float(losses[-k:].mean()),
         "per_rank": per_rank,

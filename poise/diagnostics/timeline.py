@@ -48,6 +48,7 @@ class StepRecord:
     step_s: float
     samples: int
     tokens: int
+    padded_tokens: int
     loss: float
     comm_bytes: int
 

@@ -8,14 +8,15 @@ last bucket was ready) → clip → optimizer → scheduler. Returns a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from poise.comm.hooks import BucketProbe
 from poise.diagnostics.timeline import StepRecord
-from poise.tasks.base import Batch, Task
+from poise.runtime.slowdown import Slowdown
+from poise.tasks.base import Task
 
 
 def _sync(device: torch.device) -> None:
@@ -29,24 +30,32 @@ def train_step(
     step: int,
     model: nn.Module,
     task: Task,
-    batches: Iterator[Batch],
+    indices: Sequence[int],
+    loss_scale: float,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     probe: BucketProbe,
+    slowdown: Slowdown,
     grad_clip_norm: float,
     device: torch.device,
 ) -> StepRecord:
-    """Run one step on this rank and return its timings (seconds) and counts."""
+    """Run one step on this rank's samples ``indices`` and return its timings (seconds) and counts.
+
+    ``loss_scale`` multiplies the loss before backward, so that DDP's average of the ranks'
+    gradients weights each rank by its share of the step's loss terms (runtime/data.py).
+    """
     wall_start = time.time()
     t0 = time.perf_counter()
-    batch = next(batches).to(device)
+    batch = task.collate([task.train_set[int(i)] for i in indices]).to(device)
     t1 = time.perf_counter()
 
     probe.reset()
+    slowdown.mark_s = t1
     loss = task.train_loss(model, batch)
     _sync(device)
+    slowdown.stretch()  # emulated slowness counts as this rank's compute (no-op normally)
     t2 = time.perf_counter()
-    loss.backward()
+    (loss * loss_scale).backward()
     _sync(device)
     t3 = time.perf_counter()
     # No bucket reached the hook only if nothing needs a gradient; then there was no comm.
@@ -71,6 +80,7 @@ def train_step(
         step_s=t4 - t0,
         samples=batch.num_samples,
         tokens=batch.num_tokens,
+        padded_tokens=batch.num_padded_tokens,
         loss=loss_value,
         comm_bytes=probe.bytes_this_step,
     )

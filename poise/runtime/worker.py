@@ -23,10 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 from poise import config as config_mod
-from poise.balance.sampler import BatchSchedule
 from poise.comm.hooks import BucketProbe, allreduce_hook, instrumented
 from poise.config import RunConfig
 from poise.diagnostics import report as report_mod
@@ -34,8 +32,10 @@ from poise.diagnostics.timeline import Timeline, write_chrome_trace
 from poise.files import write_json_atomic
 from poise.log import setup_logging, step_progress
 from poise.runtime import dist as rdist
+from poise.runtime.data import build_data_plan, loss_scale
 from poise.runtime.evaluate import evaluate
 from poise.runtime.faults import FaultPlan
+from poise.runtime.slowdown import apply_slowdown
 from poise.runtime.step import train_step
 from poise.tasks.base import Task
 from poise.tasks.registry import build_task
@@ -79,63 +79,61 @@ def lr_schedule(
 def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     """Run the configured job on this rank; rank 0 returns the report dict."""
     started = time.perf_counter()
-    torch.set_num_threads(rdist.threads_for(config.dist, ctx.local_world_size))
+    threads = rdist.threads_for(config.dist, ctx.local_world_size)
+    torch.set_num_threads(threads)
     seed_everything(config.train.seed, ctx.rank)
     task = build_task_once_per_node(config, ctx)
     tc = config.train
-    # samples per rank per step; None when a token budget sizes the batches instead
-    batch_size = tc.batch_size or (None if tc.batch_tokens else task.default_batch_size)
+    slowdown = apply_slowdown(ctx.rank, config.balance.rank_speeds(), config.balance.slowdown_method, threads)
 
     torch.manual_seed(tc.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
     ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     probe = BucketProbe(synchronize_cuda=ctx.device.type == "cuda")
-    ddp.register_comm_hook(None, instrumented(allreduce_hook(), probe))
+    ddp.register_comm_hook(None, slowdown.wrap_hook(instrumented(allreduce_hook(), probe)))
 
-    schedule = BatchSchedule(
-        task.train_lengths,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        seed=tc.seed,
-        batch_size=batch_size,
-        batch_tokens=tc.batch_tokens,
-    )
-    total_steps = schedule.total_steps(config.total_steps, tc.epochs)
-    loader = DataLoader(
-        task.train_set,
-        batch_sampler=list(schedule.iter_steps(config.total_steps, tc.epochs)),
-        collate_fn=task.collate,
-        num_workers=0,  # 2 cores already run 2 workers: loader processes would only compete
-    )
+    data = build_data_plan(config, task, ctx)
+    total_steps = data.total_steps()
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=tc.lr or task.default_lr, weight_decay=tc.weight_decay)
     scheduler = lr_schedule(optimizer, tc.warmup_steps, total_steps)
     timeline = Timeline(ctx.rank, ctx.world_size, config.diagnostics.gather_every_steps, ctx.device)
     faults = FaultPlan.from_config(config.faults)
     log.info(
-        "training %s: %d params, %d train samples, %d steps, %s per rank",
+        "training %s: %d params, %d train samples, %d steps, balance %s",
         task.name, sum(p.numel() for p in model.parameters()), len(task.train_lengths), total_steps,
-        f"{tc.batch_tokens} tokens" if tc.batch_tokens else f"{batch_size} samples",
+        config.balance.strategy,
     )
 
-    batches = iter(loader)
     with step_progress(config.diagnostics.progress and ctx.is_main, total_steps) as progress:
-        for step in range(total_steps):
+        for step, batches in enumerate(data.steps()):
             faults.check(ctx.rank, step)
+            mine = batches[ctx.rank]
             rec = train_step(
-                step=step, model=ddp, task=task, batches=batches, optimizer=optimizer,
-                scheduler=scheduler, probe=probe, grad_clip_norm=tc.grad_clip_norm, device=ctx.device,
+                step=step, model=ddp, task=task, indices=mine,
+                loss_scale=loss_scale(batches, ctx.rank, task.train_targets), optimizer=optimizer,
+                scheduler=scheduler, probe=probe, slowdown=slowdown, grad_clip_norm=tc.grad_clip_norm,
+                device=ctx.device,
             )
             if not math.isfinite(rec.loss):
                 raise FloatingPointError(f"training loss is {rec.loss} at step {step} on rank {ctx.rank}")
             timeline.record(rec)
+            if data.partitioner is not None:
+                data.partitioner.observe(task.train_lengths[mine], rec.compute_s)
+                if step + 1 < total_steps and data.partitioner.due(step + 1):
+                    data.partitioner.replan(step + 1)
             rate = rec.samples / rec.step_s if rec.step_s > 0 else 0.0
             progress.update(step, f"loss {rec.loss:.3f}  {rate * ctx.world_size:.0f} samples/s")
             if ctx.is_main and (step + 1) % config.diagnostics.log_every_steps == 0:
                 log.info("step %d/%d loss %.4f step %.0f ms", step + 1, total_steps, rec.loss, rec.step_s * 1e3)
     timeline.flush()
 
-    eval_batch = batch_size or task.default_batch_size
+    eval_batch = tc.batch_size or task.default_batch_size
     result = evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples, batch_size=eval_batch)
+    slowdowns: list[dict] = [{}] * ctx.world_size
+    if ctx.world_size > 1:
+        dist.all_gather_object(slowdowns, {"speed": slowdown.speed, "method": slowdown.method})
+    else:
+        slowdowns = [{"speed": slowdown.speed, "method": slowdown.method}]
     if not ctx.is_main:
         return None
     table = timeline.table()
@@ -150,6 +148,10 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         "eval_loss": result.loss,
         "eval_accuracy": result.accuracy,
         "eval_count": result.count,
+        "balance_strategy": config.balance.strategy,
+        "replans": [e.__dict__ for e in data.partitioner.history] if data.partitioner else [],
+        # emulated heterogeneity per rank (speed 1.0, method 'none' = not slowed)
+        "emulated_slowdown": slowdowns,
         "config": config_mod.to_dict(config),
     }
     write_json_atomic(out / "report.json", report)

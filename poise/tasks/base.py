@@ -29,12 +29,14 @@ class Batch:
         targets: target tensor; padded positions hold ``IGNORE_INDEX``.
         num_samples: real samples in the batch.
         num_tokens: real tokens (bytes for code-lm, 1 per image for digits), padding excluded.
+        num_padded_tokens: tokens the model computes on, padding included (samples × longest).
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
     num_samples: int
     num_tokens: int
+    num_padded_tokens: int
 
     def to(self, device: torch.device) -> Batch:
         return Batch(
@@ -42,6 +44,7 @@ class Batch:
             targets=self.targets.to(device, non_blocking=True),
             num_samples=self.num_samples,
             num_tokens=self.num_tokens,
+            num_padded_tokens=self.num_padded_tokens,
         )
 
 
@@ -73,6 +76,9 @@ class Task:
         eval_set: map-style dataset of held-out samples.
         train_lengths: length of every training sample in tokens (int64, ``len(train_set)``);
             the cost metadata that samplers and balancers read instead of loading samples.
+        train_targets: loss terms per training sample (what ``train_loss`` averages over:
+            bytes − 1 for code-lm, 1 per image); weights ranks' gradients when batches differ.
+        cost_alpha: prior α of the per-sample cost L + α·L² (0 for tasks whose cost is linear).
         build_model: returns a fresh, deterministic-given-seed model.
         collate: turns a list of samples into a :class:`Batch`.
         train_loss: ``(model, batch) -> scalar loss`` averaged over the batch's real tokens.
@@ -86,6 +92,8 @@ class Task:
     train_set: Dataset[Any]
     eval_set: Dataset[Any]
     train_lengths: np.ndarray
+    train_targets: np.ndarray
+    cost_alpha: float
     build_model: Callable[[], nn.Module]
     collate: Callable[[Sequence[Any]], Batch]
     train_loss: Callable[[nn.Module, Batch], torch.Tensor]

@@ -89,6 +89,7 @@ def collate_bytes(samples: Sequence[torch.Tensor]) -> Batch:
         targets=targets,
         num_samples=len(samples),
         num_tokens=int(lengths.sum()),
+        num_padded_tokens=int(tokens.numel()),
     )
 
 
@@ -252,6 +253,9 @@ def build_code_lm_task(
         train_set=train_set,
         eval_set=eval_set,
         train_lengths=train_set.lengths.copy(),
+        train_targets=train_set.lengths - 1,  # every byte but the first is predicted
+        # FLOPs per token: ~24·d² in the linear layers, ~4·L·d in attention -> α ≈ 1/(6·d).
+        cost_alpha=1.0 / (6.0 * d_model),
         build_model=build_model,
         collate=collate_bytes,
         train_loss=code_lm_loss,

@@ -99,7 +99,8 @@ def collate_digits(samples: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Batc
         raise ValueError("collate_digits got an empty batch; need at least one sample")
     images = torch.stack([image for image, _ in samples])
     labels = torch.stack([label for _, label in samples])
-    return Batch(inputs=images, targets=labels, num_samples=len(samples), num_tokens=len(samples))
+    n = len(samples)
+    return Batch(inputs=images, targets=labels, num_samples=n, num_tokens=n, num_padded_tokens=n)
 
 
 def digits_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -140,6 +141,8 @@ def build_digits_task(*, seed: int) -> Task:
         train_set=train_set,
         eval_set=test_set,
         train_lengths=np.ones(len(train_set), dtype=np.int64),
+        train_targets=np.ones(len(train_set), dtype=np.int64),
+        cost_alpha=0.0,
         build_model=build_model,
         collate=collate_digits,
         train_loss=digits_loss,

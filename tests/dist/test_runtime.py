@@ -74,7 +74,7 @@ def _gather_timeline(rank: int, world_size: int, steps: int, every: int):
     for step in range(steps):
         tl.record(StepRecord(step=step, start_time_s=1000.0 + step, data_s=0.1, forward_s=rank + 1.0,
                              backward_s=0.5, comm_wait_s=0.0, optim_s=0.01, step_s=2.0, samples=4 + rank,
-                             tokens=100 * (rank + 1), loss=3.0, comm_bytes=1234))
+                             tokens=100 * (rank + 1), padded_tokens=150, loss=3.0, comm_bytes=1234))
     tl.flush()
     return tl.table() if rank == 0 else None
 

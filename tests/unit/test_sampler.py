@@ -1,23 +1,28 @@
+"""Samplers: the static baseline and the balanced sampler's public API."""
+
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from poise.balance.sampler import BatchSchedule, rank_batches
+from poise.balance.costs import AttentionCost
+from poise.balance.sampler import BalancedBatchSampler, StaticSchedule
 
 
-def test_fixed_batches_cover_disjoint_equal_shares():
-    lengths = np.arange(1, 101)
-    per_rank = [rank_batches(lengths, rank=r, world_size=2, epoch=0, seed=3, batch_size=8) for r in range(2)]
-    assert [len(b) for b in per_rank] == [6, 6]
-    seen = [i for batches in per_rank for b in batches for i in b]
+def test_static_fixed_batches_cover_disjoint_equal_shares():
+    s = StaticSchedule(np.arange(1, 101), rank=0, world_size=2, seed=3, batch_size=8)
+    assert len(s) == 6
+    seen = [i for step in range(len(s)) for b in s.global_batches(step) for i in b]
     assert len(seen) == len(set(seen)) == 96
 
 
-def test_epochs_reshuffle_and_are_deterministic():
-    lengths = np.ones(64, dtype=np.int64)
-    a = rank_batches(lengths, rank=0, world_size=2, epoch=0, seed=1, batch_size=4)
-    assert a == rank_batches(lengths, rank=0, world_size=2, epoch=0, seed=1, batch_size=4)
-    assert a != rank_batches(lengths, rank=0, world_size=2, epoch=1, seed=1, batch_size=4)
+def test_static_epochs_reshuffle_and_are_deterministic():
+    a = StaticSchedule(np.ones(64), rank=0, world_size=2, seed=1, batch_size=4)
+    b = StaticSchedule(np.ones(64), rank=1, world_size=2, seed=1, batch_size=4)
+    assert [x.tolist() for x in a.global_batches(0)] == [x.tolist() for x in b.global_batches(0)]
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first
 
 
 @settings(max_examples=50, deadline=None)
@@ -27,26 +32,55 @@ def test_epochs_reshuffle_and_are_deterministic():
     budget=st.integers(64, 512),
     epoch=st.integers(0, 3),
 )
-def test_token_budget_batches_respect_budget_and_align_step_counts(lengths, world, budget, epoch):
+def test_static_token_budget_respects_budget_and_aligns_step_counts(lengths, world, budget, epoch):
     lengths = np.array(lengths)
     try:
-        schedules = [BatchSchedule(lengths, rank=r, world_size=world, seed=0, batch_tokens=budget)
-                     for r in range(world)]
+        s = StaticSchedule(lengths, rank=0, world_size=world, seed=0, batch_tokens=budget)
     except ValueError:
         assume(False)  # too few samples for one step per rank: rejected, as it should be
-    epochs = [s.epoch(epoch) for s in schedules]
-    assert len({len(e) for e in epochs}) == 1  # every rank runs the same number of steps
+    s.set_epoch(epoch)
     seen: list[int] = []
-    for batches in epochs:
+    for step in range(len(s)):
+        batches = s.global_batches(step)
+        assert len(batches) == world
         for b in batches:
-            assert max(lengths[b]) * len(b) <= budget
-            seen += b
-    assert len(seen) == len(set(seen))  # no sample twice in an epoch
+            assert lengths[b].max() * len(b) <= budget
+            seen += b.tolist()
+    assert len(seen) == len(set(seen))
 
 
-def test_iter_steps_cycles_epochs_and_counts():
-    lengths = np.ones(40, dtype=np.int64)
-    s = BatchSchedule(lengths, rank=1, world_size=2, seed=0, batch_size=5)
-    assert s.steps_in_epoch(0) == 4
-    assert len(list(s.iter_steps(num_steps=10))) == 10 == s.total_steps(num_steps=10)
-    assert len(list(s.iter_steps(num_epochs=3))) == 12 == s.total_steps(num_epochs=3)
+def test_balanced_sampler_is_a_batch_sampler_with_resumable_state():
+    lengths = np.random.default_rng(0).integers(10, 500, size=400)
+    kwargs = dict(world_size=2, batch_cost=4000, cost_fn=AttentionCost(1e-3), seed=5)
+    ranks = [BalancedBatchSampler(lengths, rank=r, **kwargs) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) > 0
+    covered = sorted(i for s in ranks for batch in s for i in batch)
+    assert covered == list(range(400))  # every sample exactly once per epoch, drop_last=False
+
+    # stop mid-epoch with new speeds, resume in a fresh sampler: same remaining batches
+    s = BalancedBatchSampler(lengths, rank=1, **kwargs)
+    s.set_epoch(2)
+    it = iter(s)
+    for _ in range(3):
+        next(it)
+    s.set_speeds([1.0, 0.5])
+    s.set_cost_fn(AttentionCost(2e-3))
+    state = s.state_dict()
+    rest = list(it)
+    fresh = BalancedBatchSampler(lengths, rank=1, **kwargs)
+    fresh.load_state_dict(state)
+    assert list(fresh) == rest
+
+
+def test_balanced_sampler_gives_the_slow_rank_less():
+    lengths = np.full(1000, 100)
+    s = BalancedBatchSampler(lengths, rank=0, world_size=2, batch_cost=3000, cost_fn=AttentionCost(0.0),
+                             speeds=[1.0, 0.5])
+    fast, slow = s.global_batches(0)
+    assert len(fast) == 20 and len(slow) == 10
+
+
+@pytest.mark.parametrize("speeds", [[1.0], [1.0, 0.0], [1.0, float("nan")]])
+def test_balanced_sampler_rejects_bad_speeds(speeds):
+    with pytest.raises(ValueError, match="speeds must be 2 positive numbers"):
+        BalancedBatchSampler(np.ones(10), rank=0, world_size=2, batch_cost=4, speeds=speeds)

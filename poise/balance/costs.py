@@ -1,0 +1,82 @@
+"""What a sample costs and how fast a rank is, from metadata and measured step times.
+
+Cost is computed from each sample's length alone, never by loading it. For attention models a
+sample of L tokens costs L + α·L² (linear layers scale with L, attention with L²); for
+convolutional or MLP tasks L. Costs are in "token units": a rank's speed is cost units per
+second of its own compute, so speeds of different ranks compare directly and only their
+ratios matter to the planner.
+
+α is known in advance only roughly (≈ 1/(6·d_model) from counting FLOPs); :func:`fit_alpha`
+refines it from measured step times by least squares, t ≈ a·ΣL + b·ΣL², α = b/a.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+CostFn = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """cost(L) = L + alpha·L² in token units (alpha = 0 gives the linear cost)."""
+
+    alpha: float = 0.0
+
+    def __call__(self, lengths: np.ndarray) -> np.ndarray:
+        length = np.asarray(lengths, dtype=np.float64)
+        return length + self.alpha * length * length
+
+
+def linear_cost() -> AttentionCost:
+    """cost(L) = L: the cost of convolutional and MLP tasks."""
+    return AttentionCost(0.0)
+
+
+def padded_cost(cost_fn: CostFn, lengths: np.ndarray) -> float:
+    """Cost of one batch padded to its longest sample: n · cost(max L)."""
+    if len(lengths) == 0:
+        return 0.0
+    return float(len(lengths) * cost_fn(np.asarray([np.max(lengths)]))[0])
+
+
+def fit_alpha(linear_terms: np.ndarray, quadratic_terms: np.ndarray, times_s: np.ndarray) -> float | None:
+    """Least-squares α from per-step (ΣL, ΣL², seconds) of one rank.
+
+    Fits t = a·ΣL + b·ΣL² (no intercept: an empty batch costs nothing) and returns b/a, or
+    None when the data cannot tell (too few steps, no spread in lengths, or a fit that is not
+    physical: a ≤ 0 or b < 0).
+    """
+    x = np.stack([np.asarray(linear_terms, float), np.asarray(quadratic_terms, float)], axis=1)
+    t = np.asarray(times_s, dtype=np.float64)
+    if len(t) < 4 or not np.all(np.isfinite(x)) or not np.all(np.isfinite(t)):
+        return None
+    # Scale columns so the solve is well conditioned (ΣL² is ~1000x ΣL).
+    scale = np.abs(x).max(axis=0)
+    if np.any(scale == 0):
+        return None
+    coef, *_ = np.linalg.lstsq(x / scale, t, rcond=None)
+    a, b = coef / scale
+    if a <= 0 or b < 0:
+        return None
+    return float(b / a)
+
+
+def measured_speeds(cost_s: np.ndarray, compute_s: np.ndarray) -> np.ndarray:
+    """Per-rank speed in cost units per second: Σ cost / Σ compute seconds over a window.
+
+    Args:
+        cost_s: ``[ranks, steps]`` cost units each rank processed per step.
+        compute_s: ``[ranks, steps]`` each rank's compute seconds per step.
+
+    Raises:
+        ValueError: if a rank has no measured time.
+    """
+    total_cost = np.asarray(cost_s, dtype=np.float64).sum(axis=1)
+    total_time = np.asarray(compute_s, dtype=np.float64).sum(axis=1)
+    if np.any(total_time <= 0) or np.any(total_cost <= 0):
+        raise ValueError(f"cannot estimate speeds: cost {total_cost.tolist()}, seconds {total_time.tolist()}")
+    return total_cost / total_time

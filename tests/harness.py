@@ -34,6 +34,9 @@ def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
         # Plain pickle copies tensor data; torch's queue reducers would share memory that
         # disappears with this process.
         results.put((rank, pickle.dumps(fn(rank, world_size, **kwargs))))
+        # Tear down together: a rank destroying gloo while its peer still talks to it can
+        # abort the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

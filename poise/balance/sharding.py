@@ -87,12 +87,20 @@ def plan_steps(
             current.append(int(order[m]))
             spent += float(costs[m])
         if current:
-            if len(current) < num_ranks and steps:
-                steps[-1].extend(current)  # too few for every rank: join the previous step
-            else:
-                steps.append(current)
-    shuffle = np.random.default_rng([seed, epoch, 1]).permutation(len(steps))
-    return [np.asarray(steps[i], dtype=np.int64) for i in shuffle]
+            steps.append(current)
+    # A step with fewer samples than ranks (a window's tail) joins the next one, the last
+    # the one before: every rank gets a sample in every step.
+    full: list[list[int]] = []
+    carry: list[int] = []
+    for step in steps:
+        carry += step
+        if len(carry) >= num_ranks:
+            full.append(carry)
+            carry = []
+    if carry:
+        full[-1].extend(carry)
+    shuffle = np.random.default_rng([seed, epoch, 1]).permutation(len(full))
+    return [np.asarray(full[i], dtype=np.int64) for i in shuffle]
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,14 @@ def threads_for(config: DistConfig, local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def close() -> None:
-    """Destroy the process group if one is up (safe to call twice)."""
+def close(*, synchronize: bool) -> None:
+    """Destroy the process group if one is up (safe to call twice).
+
+    With ``synchronize`` (the normal end of a job) ranks first meet at a barrier: a rank that
+    tears gloo down while a peer still talks to it can make the peer abort. After an error
+    there is no barrier: the peers may be gone, and the launcher stops the job anyway.
+    """
     if dist.is_available() and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()

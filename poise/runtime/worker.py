@@ -179,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rdist.check_config_agreement(config, ctx)
         train(config, ctx)
-    finally:
-        rdist.close()
+    except BaseException:
+        rdist.close(synchronize=False)
+        raise
+    rdist.close(synchronize=True)
     return 0
 
 

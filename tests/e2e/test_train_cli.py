@@ -111,3 +111,33 @@ def test_bad_input_is_one_line_and_exit_2(argv, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_dynamic_balance_moves_work_off_a_slow_rank(tmp_path):
+    proc = run_poise(
+        "train", "--task", "digits", "--nproc", "2", "--steps", "40", "--batch-size", "32",
+        "--balance", "dynamic", "--rank-speed", "1:0.5", "--balance.slowdown_method", "sleep",
+        "--balance.cold_start_steps", "5", "--balance.window_steps", "20", "--balance.replan_every_steps", "5",
+        "--out", str(tmp_path), *QUIET,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["balance_strategy"] == "dynamic"
+    assert report["emulated_slowdown"] == [{"speed": 1.0, "method": "none"}, {"speed": 0.5, "method": "sleep"}]
+    replans = report["replans"]
+    assert [r["step"] for r in replans][:3] == [5, 10, 15]
+    assert replans[-1]["shares"][0] > 0.6  # the slow rank now gets clearly less
+    assert report["per_rank"][0]["median_samples"] > report["per_rank"][1]["median_samples"]
+
+
+def test_cost_balance_with_token_budget_reports_padding(tmp_path, cache_dir):
+    proc = run_poise(
+        "train", "--task", "code-lm", "--nproc", "2", "--steps", "6", "--max-seq-len", "256",
+        "--batch-tokens", "2048", "--balance", "cost", "--task.eval_max_samples", "32",
+        "--task.cache_dir", str(cache_dir), "--out", str(tmp_path), *QUIET,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["balance_strategy"] == "cost"
+    assert 0.0 <= report["padding_waste"] < 0.5
+    assert report["ideal_tokens_per_s"] > 0 and 0 < report["throughput_vs_ideal"] <= 1.05

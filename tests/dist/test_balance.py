@@ -1,0 +1,79 @@
+"""Load balancing on real gloo ranks: exact gradients with unequal batches, agreed re-plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from poise.balance.costs import AttentionCost
+from poise.balance.rebalance import DynamicPartitioner
+from poise.balance.sampler import BalancedBatchSampler
+from poise.runtime.data import loss_scale
+from poise.tasks.code_lm import ByteTransformer, code_lm_loss, collate_bytes
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+# A step's global batch: byte samples of very different lengths, split unequally.
+LENGTHS = [60, 7, 33, 2, 48, 19, 5]
+SPLIT = [[0, 1, 2, 3, 4], [5, 6]]  # rank 0 gets five samples, rank 1 two
+
+
+def _samples() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in LENGTHS]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ByteTransformer(max_seq_len=64, d_model=16, num_layers=1, num_heads=2)
+
+
+def _unequal_split_gradient(rank: int, world_size: int):
+    samples = _samples()
+    targets = np.array(LENGTHS) - 1  # code-lm: every byte but the first is a loss term
+    batches = [np.array(b) for b in SPLIT]
+    ddp = DistributedDataParallel(_model())
+    batch = collate_bytes([samples[i] for i in SPLIT[rank]])
+    (code_lm_loss(ddp, batch) * loss_scale(batches, rank, targets)).backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def test_unequal_batches_give_the_gradient_of_the_global_batch():
+    grads = run_ranks(_unequal_split_gradient, world_size=2, timeout_s=90)
+    reference = _model()
+    code_lm_loss(reference, collate_bytes(_samples())).backward()
+    for rank_grads in grads:
+        for got, want in zip(rank_grads, [p.grad for p in reference.parameters()], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    # and plain averaging (no weighting) would have been wrong
+    assert abs(loss_scale([np.array(b) for b in SPLIT], 0, np.array(LENGTHS) - 1) - 1.0) > 0.1
+
+
+def _replan(rank: int, world_size: int):
+    lengths = np.random.default_rng(0).integers(16, 512, size=600)
+    sampler = BalancedBatchSampler(lengths, rank=rank, world_size=world_size, batch_cost=20_000,
+                                   cost_fn=AttentionCost(1e-3))
+    part = DynamicPartitioner(sampler, cold_start_steps=3, window_steps=20, replan_every_steps=4)
+    slowness = 1.0 + rank  # rank r computes (1 + r)x slower: injected numbers, not sleeps
+    events = []
+    for step in range(len(sampler)):
+        mine = sampler.global_batches(step)[rank]
+        cost = AttentionCost(1e-3)(lengths[mine]).max() * len(mine)
+        part.observe(lengths[mine], 1e-5 * cost * slowness)
+        if part.due(step + 1):
+            events.append(part.replan(step + 1))
+    return [(e.step, e.shares) for e in events], sampler.speeds.tolist()
+
+
+def test_ranks_agree_on_replans_and_shares_follow_speed():
+    (events0, speeds0), (events1, speeds1) = run_ranks(_replan, world_size=2, timeout_s=90)
+    assert events0 == events1 and speeds0 == speeds1  # same numbers on every rank
+    steps = [s for s, _ in events0]
+    assert steps[:3] == [3, 7, 11]  # after the cold start, then every 4 steps
+    shares = [sh[0] for _, sh in events0]
+    for before, after in zip([0.5, *shares], shares, strict=False):
+        assert after / before - 1 <= 0.15 + 1e-9  # at most 15% per re-plan
+    assert shares[-1] == pytest.approx(2 / 3, abs=0.02)  # rank 0 is twice as fast

@@ -1,10 +1,10 @@
 """poise: balanced, communication-efficient distributed training on torch.distributed.
 
-The public API is small on purpose; see the README for the command line.
+The public API lives in the subpackages: ``poise.balance`` (samplers, planner, the balance
+metric) and ``poise.comm`` (DDP communication hooks). See the README for the command line.
 """
 
-from poise.balance.metrics import balance
 from poise.config import RunConfig
 
-__all__ = ["RunConfig", "balance"]
+__all__ = ["RunConfig"]
 __version__ = "0.1.0"

@@ -9,9 +9,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from poise.bench import scaling
+from poise.bench import balance, scaling
 
-FAMILIES: dict[str, ModuleType] = {"scaling": scaling}
+FAMILIES: dict[str, ModuleType] = {"scaling": scaling, "balance": balance}
 
 
 def add_parser(sub: Any) -> None:

@@ -13,6 +13,8 @@ Definitions (all over the measured steps, per-rank compute Tᵢ = forward + own 
 - ``ideal_tokens_per_s``: the sum of the ranks' own speeds (real tokens per second of their
   compute); ``throughput_vs_ideal`` = steady throughput / ideal, the share of the ranks'
   combined speed that the job turned into progress.
+- ``loss_curve``: training loss against cumulative real tokens, to compare runs whose
+  batches differ at equal tokens rather than equal steps.
 - ``balance_last_half``: balance over the second half of the steps, after a dynamic
   re-planner has had time to converge.
 
@@ -60,7 +62,9 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
     # Steps are synchronous: a step lasts as long as its slowest rank.
     total_s = float(column(table, "step_s").max(axis=0).sum())
     steady_step_s = float(np.median(step_s.max(axis=1)))
-    losses = loss_scale * column(table, "loss").mean(axis=0)  # per step, mean over ranks
+    # per step, the ranks' losses weighted by their real tokens (as the gradient is)
+    step_tokens = column(table, "tokens")
+    losses = loss_scale * (column(table, "loss") * step_tokens).sum(axis=0) / np.maximum(step_tokens.sum(axis=0), 1)
     k = max(1, min(5, len(losses) // 4))
     per_rank = []
     for r in range(table.shape[0]):
@@ -92,6 +96,8 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "train_loss_first": float(losses[:k].mean()),
         "train_loss_last": float(losses[-k:].mean()),
         "per_rank": per_rank,
+        # training loss against real tokens seen, all ranks together: [[tokens, loss], ...]
+        "loss_curve": [[float(t), float(v)] for t, v in zip(np.cumsum(step_tokens.sum(axis=0)), losses, strict=True)],
     }
 
 

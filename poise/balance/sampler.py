@@ -17,6 +17,7 @@ terms (for exact gradient weighting) and how all ranks agree on the number of st
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,7 +31,30 @@ from poise.balance.sharding import plan_steps, split_step
 DEFAULT_ALPHA = 1e-3
 
 
-class StaticSchedule:
+class _EpochSampler(ABC):
+    """What both samplers share: an epoch of planned steps and this rank's position in it."""
+
+    rank: int
+    position: int
+    _steps: Sequence[Any]
+
+    def __len__(self) -> int:
+        """Steps in the current epoch (the same on every rank)."""
+        return len(self._steps)
+
+    @abstractmethod
+    def global_batches(self, step: int) -> list[np.ndarray]:
+        """Every rank's sample indices for ``step`` of the current epoch."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """This rank's batches from the current position to the end of the epoch."""
+        while self.position < len(self):
+            batch = self.global_batches(self.position)[self.rank]
+            self.position += 1
+            yield batch.tolist()
+
+
+class StaticSchedule(_EpochSampler):
     """The baseline: ``DistributedSampler`` shares cut into batches (see module doc).
 
     Args:
@@ -91,18 +115,9 @@ class StaticSchedule:
         steps = min(len(b) for b in per_rank)
         self._steps = [[per_rank[r][i] for r in range(self.world_size)] for i in range(steps)]
 
-    def __len__(self) -> int:
-        return len(self._steps)
-
     def global_batches(self, step: int) -> list[np.ndarray]:
         """Every rank's sample indices for ``step`` of the current epoch."""
         return self._steps[step]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        while self.position < len(self):
-            batch = self.global_batches(self.position)[self.rank]
-            self.position += 1
-            yield batch.tolist()
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position}
@@ -112,7 +127,7 @@ class StaticSchedule:
         self.position = int(state["position"])
 
 
-class BalancedBatchSampler:
+class BalancedBatchSampler(_EpochSampler):
     """This rank's batches under a cost- and speed-aware plan (see :mod:`poise.balance.sharding`).
 
     All ranks built with the same arguments together cover every index exactly once per
@@ -193,9 +208,6 @@ class BalancedBatchSampler:
             raise ValueError(f"speeds must be {self.world_size} positive numbers, got {np.asarray(speeds).tolist()}")
         self.speeds = values
 
-    def __len__(self) -> int:
-        return len(self._steps)
-
     def global_batches(self, step: int) -> list[np.ndarray]:
         """Every rank's sample indices for ``step`` of the current epoch, under the current speeds."""
         key = self.speeds.tobytes()
@@ -203,12 +215,6 @@ class BalancedBatchSampler:
             split = split_step(self._steps[step], self.lengths, self.cost_fn, self.speeds)
             self._split_cache = (step, key, split.batches)
         return self._split_cache[2]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        while self.position < len(self):
-            batch = self.global_batches(self.position)[self.rank]
-            self.position += 1
-            yield batch.tolist()
 
     def state_dict(self) -> dict[str, Any]:
         """Position and speeds: enough to continue the epoch exactly where it stopped."""

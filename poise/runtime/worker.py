@@ -40,7 +40,8 @@ from poise.runtime.step import train_step
 from poise.tasks.base import Task
 from poise.tasks.registry import build_task
 
-log = logging.getLogger(__name__)
+# By name: run as `-m poise.runtime.worker`, __name__ would be "__main__", outside "poise".
+log = logging.getLogger("poise.runtime.worker")
 
 
 def seed_everything(seed: int, rank: int) -> None:

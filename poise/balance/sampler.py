@@ -25,7 +25,7 @@ import numpy as np
 from torch.utils.data import DistributedSampler
 
 from poise.balance.costs import AttentionCost, CostFn
-from poise.balance.sharding import plan_steps, split_step
+from poise.balance.sharding import plan_epoch, take_step
 
 # cost(L) = L + α·L² with α ≈ 1/(6·d_model): a prior for small transformers; pass your own.
 DEFAULT_ALPHA = 1e-3
@@ -177,8 +177,6 @@ class BalancedBatchSampler(_EpochSampler):
         if speeds is not None:
             self.set_speeds(speeds)
         self.epoch, self.position = 0, 0
-        self._steps: list[np.ndarray] = []
-        self._split_cache: tuple[int, bytes, list[np.ndarray]] | None = None
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
@@ -187,19 +185,20 @@ class BalancedBatchSampler(_EpochSampler):
         # Steps are grouped with the cost function of the epoch's start, so a cost refit
         # mid-epoch changes how steps are split, never which samples the epoch still holds.
         self._epoch_cost_fn = self.cost_fn
-        steps = plan_steps(
+        self._plan = plan_epoch(
             self.lengths, cost_fn=self.cost_fn, batch_cost=self.batch_cost, num_ranks=self.world_size,
             seed=self.seed, epoch=epoch, bucket_steps=self.bucket_steps,
         )
         if self.drop_last:
-            steps = [s for s in steps if self.cost_fn(self.lengths[s]).sum() >= 0.5 * self.batch_cost]
-        self._steps = steps
-        self._split_cache = None
+            keep = [self.cost_fn(self.lengths[self._plan.members(j)]).sum() >= 0.5 * self.batch_cost
+                    for j in self._plan.order]
+            self._plan.order = self._plan.order[np.asarray(keep, dtype=bool)]
+        self._steps = self._plan.order  # one entry per step, for len()
+        self._splits: dict[int, list[np.ndarray]] = {}
 
     def set_cost_fn(self, cost_fn: CostFn) -> None:
         """A new cost function: used to split the next step, and to group steps from the next epoch."""
         self.cost_fn = cost_fn
-        self._split_cache = None
 
     def set_speeds(self, speeds: Sequence[float] | np.ndarray) -> None:
         """New relative speeds per rank (every rank must set the same ones)."""
@@ -209,12 +208,16 @@ class BalancedBatchSampler(_EpochSampler):
         self.speeds = values
 
     def global_batches(self, step: int) -> list[np.ndarray]:
-        """Every rank's sample indices for ``step`` of the current epoch, under the current speeds."""
-        key = self.speeds.tobytes()
-        if self._split_cache is None or self._split_cache[:2] != (step, key):
-            split = split_step(self._steps[step], self.lengths, self.cost_fn, self.speeds)
-            self._split_cache = (step, key, split.batches)
-        return self._split_cache[2]
+        """Every rank's sample indices for ``step`` of the current epoch.
+
+        Steps are settled in order, each with the speeds current when it is first asked for
+        (see :func:`~poise.balance.sharding.take_step`); asking again returns the same batches.
+        """
+        if step not in self._splits:
+            if step != self._plan.taken:
+                raise ValueError(f"step {step} asked before step {self._plan.taken}: steps are taken in order")
+            self._splits[step] = take_step(self._plan, self.lengths, self.cost_fn, self.speeds).batches
+        return self._splits[step]
 
     def state_dict(self) -> dict[str, Any]:
         """Position and speeds: enough to continue the epoch exactly where it stopped."""
@@ -225,6 +228,9 @@ class BalancedBatchSampler(_EpochSampler):
             # alphas of AttentionCost; a custom cost_fn must be passed again when loading
             "alpha": getattr(self.cost_fn, "alpha", None),
             "epoch_alpha": getattr(self._epoch_cost_fn, "alpha", None),
+            # settled step boundaries: they depend on the speeds each step was taken with
+            "bounds": self._plan.bounds.tolist(),
+            "taken": self._plan.taken,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -234,4 +240,6 @@ class BalancedBatchSampler(_EpochSampler):
         self.set_epoch(int(state["epoch"]))  # regroups with the epoch's own cost function
         if state.get("alpha") is not None:
             self.set_cost_fn(AttentionCost(float(state["alpha"])))
+        self._plan.bounds = np.asarray(state["bounds"], dtype=np.int64)
+        self._plan.taken = int(state["taken"])
         self.position = int(state["position"])

@@ -4,26 +4,32 @@ Pure functions of (sample lengths, cost function, per-rank speeds, seed, epoch, 
 every rank computes the same plan with no communication (Bagua's seed+epoch idea), and the
 plan is plain data that tests, benches and a simulator can inspect.
 
-An epoch is planned in two stages:
+An epoch is planned in three stages:
 
-1. **Steps** (:func:`plan_steps`). Samples are visited in a seeded random order; every
-   ``bucket_steps`` steps' worth of them is sorted by length (length bucketing: a batch of
-   similar lengths wastes little on padding) and cut into steps of about ``batch_cost`` cost
-   units summed over ranks. Steps are then shuffled, so long and short steps interleave.
-   Every sample lands in exactly one step; a step never has fewer samples than ranks (a
-   short tail is merged into the step before), so no rank ever idles through a step and no
-   sample is dropped at the end of an epoch.
-2. **Split** (:func:`split_step`). Each step's samples are divided among ranks so that every
+1. **Steps** (:func:`plan_epoch`). Samples are visited in a seeded random order; every
+   ``bucket_steps`` steps' worth of them (a window) is sorted by length (length bucketing: a
+   batch of similar lengths wastes little on padding) and cut into steps of about
+   ``batch_cost`` cost units summed over ranks. A step is a contiguous range of this
+   length-sorted *stream*. Steps are visited in shuffled order, so long and short steps
+   interleave. Every sample lands in exactly one step; a step never has fewer samples than
+   ranks, so no rank idles through a step and no sample is dropped at the end of an epoch.
+2. **Boundaries** (:func:`take_step`). When a step is taken, its samples are nearly equal in
+   cost, so its split can only be as fine as one sample: 15 equal samples over 2 equal ranks
+   is 8 against 7, a balance of 0.875. So the step may move its boundaries by up to
+   ``max_shift`` samples into a neighbouring step of the same window that has not been taken
+   yet (neighbours in the stream have nearly the same length, so padding is unchanged), and
+   keeps the boundaries whose split, under the *current* speeds, is best balanced.
+   Coverage stays exact: samples only move between steps not yet taken.
+3. **Split** (:func:`split_step`). The step's samples are divided among ranks so that every
    rank's *predicted time* — its padded batch cost divided by its speed — is as equal as
    possible. Algorithm: greedy LPT for uniform machines (Q||Cmax; Graham 1969, Gonzalez et
    al. 1977): samples in decreasing cost, each to the rank where it would finish earliest.
    Why LPT: it is O(n·R), deterministic, within 2x of optimal in general and, because
    bucketing makes a step's samples nearly equal in cost, within one sample of optimal per
-   rank here — which is what balance needs; an exact solver would buy nothing measurable.
+   rank here; stage 2 removes most of that last sample's error.
 
-The split reads the speeds at the time a step is taken, so re-planning with new speeds
-(:mod:`poise.balance.rebalance`) changes who gets what without changing which samples
-belong to which step: an epoch's coverage is fixed when it starts.
+Steps are taken in order and read the speeds of that moment, so re-planning with new speeds
+(:mod:`poise.balance.rebalance`) changes who gets what in later steps.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from poise.balance.costs import CostFn, padded_cost
+from poise.balance.metrics import balance
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -40,7 +47,39 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
-def plan_steps(
+@dataclass
+class EpochPlan:
+    """One epoch's steps as ranges of a length-bucketed stream of sample indices.
+
+    Attributes:
+        stream: every sample index once: the epoch's random order, each window sorted by
+            length (longest first).
+        bounds: step ``j`` is ``stream[bounds[j]:bounds[j + 1]]`` (``num_steps + 1`` offsets).
+        window: the bucketing window of each step (boundaries never cross windows).
+        order: the shuffled order in which steps are taken.
+        taken: how many steps of ``order`` have been taken (their bounds are final).
+    """
+
+    stream: np.ndarray
+    bounds: np.ndarray
+    window: np.ndarray
+    order: np.ndarray
+    taken: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.order)
+
+    def members(self, j: int) -> np.ndarray:
+        """Sample indices of step ``j`` (by step id, not visiting position)."""
+        return self.stream[self.bounds[j] : self.bounds[j + 1]]
+
+    def steps(self) -> list[np.ndarray]:
+        """Every step's samples, in visiting order, with the current boundaries."""
+        return [self.members(int(j)) for j in self.order]
+
+
+def plan_epoch(
     lengths: np.ndarray,
     *,
     cost_fn: CostFn,
@@ -49,7 +88,7 @@ def plan_steps(
     seed: int,
     epoch: int,
     bucket_steps: int = 50,
-) -> list[np.ndarray]:
+) -> EpochPlan:
     """Cut one epoch into steps of about ``batch_cost`` cost units each (see module doc).
 
     Args:
@@ -58,9 +97,6 @@ def plan_steps(
         batch_cost: cost budget of one step summed over all ranks, in cost units.
         num_ranks: ranks that will share each step (each gets at least one sample).
         bucket_steps: steps' worth of samples sorted by length together.
-
-    Returns:
-        Sample-index arrays, one per step, covering every sample exactly once.
 
     Raises:
         ValueError: for a non-positive budget or fewer samples than ranks.
@@ -71,36 +107,87 @@ def plan_steps(
     if len(lengths) < num_ranks:
         raise ValueError(f"{len(lengths)} samples cannot give each of {num_ranks} ranks one per step")
     order = epoch_order(len(lengths), seed, epoch)
-    costs = cost_fn(lengths[order])
-    # Windows of about bucket_steps steps' cost, each sorted by length (longest first).
-    window_of = np.floor(np.cumsum(costs) / (batch_cost * bucket_steps)).astype(np.int64)
-    steps: list[list[int]] = []
+    window_of = np.floor(np.cumsum(cost_fn(lengths[order])) / (batch_cost * bucket_steps)).astype(np.int64)
+    stream_parts, bounds, windows = [], [0], []
+    offset = 0
     for w in np.unique(window_of):
-        members = np.flatnonzero(window_of == w)
-        members = members[np.argsort(-lengths[order[members]], kind="stable")]
-        current: list[int] = []
-        spent = 0.0
-        for m in members:
-            if current and spent + costs[m] > batch_cost and len(current) >= num_ranks:
-                steps.append(current)
-                current, spent = [], 0.0
-            current.append(int(order[m]))
-            spent += float(costs[m])
-        if current:
-            steps.append(current)
-    # A step with fewer samples than ranks (a window's tail) joins the next one, the last
-    # the one before: every rank gets a sample in every step.
-    full: list[list[int]] = []
-    carry: list[int] = []
-    for step in steps:
-        carry += step
-        if len(carry) >= num_ranks:
-            full.append(carry)
-            carry = []
-    if carry:
-        full[-1].extend(carry)
-    shuffle = np.random.default_rng([seed, epoch, 1]).permutation(len(full))
-    return [np.asarray(full[i], dtype=np.int64) for i in shuffle]
+        members = order[window_of == w]
+        members = members[np.argsort(-lengths[members], kind="stable")]
+        costs = cost_fn(lengths[members])
+        cuts, spent, start = [], 0.0, 0
+        for k, c in enumerate(costs):
+            if k > start and spent + c > batch_cost and k - start >= num_ranks:
+                cuts.append(k)
+                start, spent = k, 0.0
+            spent += float(c)
+        for cut in cuts:
+            bounds.append(offset + cut)
+            windows.append(int(w))
+        offset += len(members)
+        bounds.append(offset)
+        windows.append(int(w))
+        stream_parts.append(members)
+    # A step with fewer samples than ranks (a window's tail) joins its neighbour.
+    j = 0
+    while j < len(windows) and len(windows) > 1:
+        if bounds[j + 1] - bounds[j] >= num_ranks:
+            j += 1
+            continue
+        merge_at = j + 1 if j + 1 < len(windows) else j  # the bound between it and a neighbour
+        del bounds[merge_at]
+        del windows[merge_at]
+        j = max(0, j - 1)
+    stream = np.concatenate(stream_parts)
+    num_steps = len(bounds) - 1
+    visit = np.random.default_rng([seed, epoch, 1]).permutation(num_steps)
+    return EpochPlan(stream, np.asarray(bounds, dtype=np.int64), np.asarray(windows), visit)
+
+
+def take_step(
+    plan: EpochPlan,
+    lengths: np.ndarray,
+    cost_fn: CostFn,
+    speeds: np.ndarray,
+    *,
+    max_shift: int = 2,
+) -> StepSplit:
+    """Take the next step of ``plan``: settle its boundaries for the best split, and split it.
+
+    Tries moving each boundary shared with a not-yet-taken step of the same window by up to
+    ``max_shift`` samples (both steps keep at least one sample per rank) and keeps the
+    candidate with the best predicted balance under ``speeds`` (ties: the smallest move).
+    Mutates ``plan`` (bounds, taken).
+    """
+    num_ranks = len(speeds)
+    j = int(plan.order[plan.taken])
+    pending = set(plan.order[plan.taken + 1 :].tolist())  # not taken (nor dropped): may still change
+    b = plan.bounds
+
+    def movable(neighbour: int) -> bool:
+        return neighbour in pending and plan.window[neighbour] == plan.window[j]
+
+    left = range(-max_shift, max_shift + 1) if movable(j - 1) else range(1)
+    right = range(-max_shift, max_shift + 1) if movable(j + 1) else range(1)
+    best: tuple[float, int, int, int] | None = None
+    for dl in left:
+        for dr in right:
+            lo, hi = b[j] + dl, b[j + 1] + dr
+            if hi - lo < num_ranks:
+                continue
+            if dl and lo - b[j - 1] < num_ranks:  # the left neighbour keeps one per rank
+                continue
+            if dr and b[j + 2] - hi < num_ranks:
+                continue
+            score = balance(split_step(plan.stream[lo:hi], lengths, cost_fn, speeds).predicted_s)
+            key = (-score, abs(dl) + abs(dr), dl, dr)
+            if best is None or key < best:
+                best = key
+    assert best is not None  # (0, 0) is always a candidate
+    _, _, dl, dr = best
+    b[j] += dl
+    b[j + 1] += dr
+    plan.taken += 1
+    return split_step(plan.members(j), lengths, cost_fn, speeds)
 
 
 @dataclass(frozen=True)

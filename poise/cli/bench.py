@@ -9,9 +9,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from poise.bench import balance, scaling
+from poise.bench import balance, codecs, scaling
 
-FAMILIES: dict[str, ModuleType] = {"scaling": scaling, "balance": balance}
+FAMILIES: dict[str, ModuleType] = {"scaling": scaling, "balance": balance, "codecs": codecs}
 
 
 def add_parser(sub: Any) -> None:

@@ -1,1 +1,29 @@
-"""How gradients move: DDP communication hooks and what they measure."""
+"""How gradients move: gradient codecs, error feedback, reducers and the DDP comm hook.
+
+Compress DDP's gradients in your own training script::
+
+    import torch
+    import poise.comm
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)                                    # after init_process_group(...)
+    compress = poise.comm.hook("topk", ratio=0.01)      # error feedback is on by default
+    ddp.register_comm_hook(None, compress)
+    for x, y in loader:
+        compress.state.reset_step()
+        loss_fn(ddp(x), y).backward()                   # buckets are compressed here
+        opt.step(); opt.zero_grad()
+        print(compress.state.step_stats().compression_ratio)
+
+Codecs by name: ``poise.comm.codecs.make(name, **options)`` (names in ``codecs.CODECS``).
+The first ``start_step`` (2) steps run uncompressed, because DDP rebuilds its buckets after
+step 1. ``poise.comm.hooks.build(config)`` does the same from a ``CommConfig``.
+"""
+
+from poise.comm import codecs
+from poise.comm.codecs import Codec, Encoded, ErrorFeedback, NonFiniteGradientError
+from poise.comm.hooks import HookState, build, hook
+from poise.comm.reducers import StepStats
+
+__all__ = ["Codec", "Encoded", "ErrorFeedback", "HookState", "NonFiniteGradientError", "StepStats", "build",
+           "codecs", "hook"]

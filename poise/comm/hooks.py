@@ -12,16 +12,37 @@ clean way to split backward time on each rank without extra synchronisation:
 Timing the whole ``backward()`` instead would hide a slow rank: DDP's all-reduce makes every
 rank's backward last as long as the slowest one's. :class:`BucketProbe` records the
 readiness times and bytes; :func:`instrumented` wraps any hook with it, so compression hooks
-added later are measured the same way.
+are measured the same way.
+
+The compression adapter: :func:`compressed_hook` is the one function DDP calls per bucket; it
+hands the bucket to a reducer (``reducers.py``), which runs the codec (``codecs/``) and the
+collectives. :class:`HookState` holds the reducer, the step count and the counters
+(:meth:`HookState.step_stats`). :func:`hook` builds one for a user's own script;
+:func:`build` maps a :class:`~poise.config.CommConfig` to ``(hook, state)``, including torch's
+own fp16 and PowerSGD hooks for comparison. The first ``start_step`` steps are sent
+uncompressed because DDP rebuilds its buckets after step 1 (bucket indices, and with them
+residuals and warm starts, change meaning); torch's ``PowerSGDState`` documents the same.
+
+(This module must not use ``from __future__ import annotations``: DDP inspects the hook's
+annotations at registration and compares them with real classes, not strings.)
 """
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from poise.comm import codecs
+from poise.comm.codecs import Codec, ErrorFeedback
+from poise.comm.codecs.cast import IdentityCodec
+from poise.comm.reducers import AllReduceReducer, Counters, StepStats, make_reducer
+from poise.config import CODEC_NAMES, CommConfig
+
+log = logging.getLogger(__name__)
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -73,3 +94,224 @@ def instrumented(hook: CommHook, probe: BucketProbe) -> CommHook:
 def allreduce_hook() -> CommHook:
     """The baseline: torch's own averaging all-reduce hook (what DDP does with no hook)."""
     return default_hooks.allreduce_hook
+
+
+# -- the compression adapter -----------------------------------------------------------------
+
+
+class HookState:
+    """What :func:`compressed_hook` needs across buckets and steps.
+
+    Attributes:
+        codec: the codec, possibly wrapped in :class:`~poise.comm.ErrorFeedback`.
+        start_step: steps sent uncompressed before the codec takes over.
+        step: steps seen so far (a step ends with DDP's last bucket).
+        weight: this rank's factor for the next reductions; None (default) averages like DDP.
+            Set it to the rank's share ``w_r`` to get ``sum_r w_r g_r`` instead.
+    """
+
+    def __init__(self, codec: Codec, *, process_group: dist.ProcessGroup | None = None, start_step: int = 2) -> None:
+        if start_step < 0:
+            raise ValueError(f"start_step={start_step} must be >= 0")
+        self.codec = codec
+        self.start_step = start_step
+        self.step = 0
+        self.weight: float | None = None
+        self.counters = Counters()
+        self.reducer = make_reducer(codec, process_group, self.counters)
+        self.uncompressed = AllReduceReducer(IdentityCodec(), process_group, self.counters)
+
+    def step_stats(self) -> StepStats:
+        """Bytes and seconds since the last :meth:`reset_step` (read after ``backward()``)."""
+        return self.counters.snapshot()
+
+    def reset_step(self) -> None:
+        """Zero the counters; call before each step's ``backward()``."""
+        self.counters.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count and codec state (residuals, warm starts); no process group."""
+        return {"step": self.step, "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.codec.load_state_dict(state["codec"])
+
+
+def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: reduce ``bucket`` through ``state``'s reducer (uncompressed while warming up)."""
+    reducer = state.reducer if state.step >= state.start_step else state.uncompressed
+    fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight)
+    if bucket.is_last():
+        state.step += 1
+    return fut
+
+
+def make_state(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step: int = 2,
+               on_nonfinite: str = "error", process_group: dist.ProcessGroup | None = None,
+               **options: Any) -> HookState:
+    """A :class:`HookState` for ``codec`` (a name from ``codecs.CODECS`` with ``options``, or
+    a codec object), wrapped in error feedback unless ``error_feedback`` is False or the
+    codec is ``none``."""
+    if isinstance(codec, str):
+        codec = codecs.make(codec, **options)
+    elif options:
+        raise ValueError(f"options {sorted(options)} apply to codec names, not to a codec object")
+    if error_feedback and not isinstance(codec, (ErrorFeedback, IdentityCodec)):
+        codec = ErrorFeedback(codec, on_nonfinite=on_nonfinite)
+    return HookState(codec, process_group=process_group, start_step=start_step)
+
+
+def hook(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step: int = 2,
+         on_nonfinite: str = "error", process_group: dist.ProcessGroup | None = None, **options: Any) -> CommHook:
+    """A ready-to-register DDP comm hook that compresses gradients with ``codec``.
+
+    Register it with ``ddp.register_comm_hook(None, h)``; it carries its own state as
+    ``h.state`` (a :class:`HookState`: ``h.state.step_stats()``, ``h.state.weight``).
+    Arguments are those of :func:`make_state`; ``options`` go to the codec (``ratio``,
+    ``rank``, ``chunk_size``, ...).
+    """
+    state = make_state(codec, error_feedback=error_feedback, start_step=start_step, on_nonfinite=on_nonfinite,
+                       process_group=process_group, **options)
+
+    def poise_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return compressed_hook(state, bucket)
+
+    poise_hook.state = state  # type: ignore[attr-defined]
+    return poise_hook
+
+
+# -- torch's own hooks, for comparison ------------------------------------------------------
+
+
+class TorchHookState:
+    """Runs one of torch's hooks and counts its bytes, so it reports like :class:`HookState`.
+
+    Wire bytes are what torch's algorithm sends (fp16: half; PowerSGD: the factors of each
+    compressed matrix plus the uncompressed tensors, by PowerSGD's own size rule). Encode and
+    decode seconds are not visible from outside torch's hook and stay 0. torch's hooks only
+    average, so ``weight`` must stay None.
+    """
+
+    def __init__(self, torch_hook: CommHook, torch_state: Any,
+                 wire_bytes: Callable[[Any, dist.GradBucket], int]) -> None:
+        self.torch_hook = torch_hook
+        self.torch_state = torch_state
+        self.wire_bytes = wire_bytes
+        self.weight: float | None = None
+        self.counters = Counters()
+
+    def step_stats(self) -> StepStats:
+        return self.counters.snapshot()
+
+    def reset_step(self) -> None:
+        self.counters.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def torch_hook_adapter(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: count the bucket, then run torch's hook on it."""
+    if state.weight is not None:
+        raise ValueError("torch's comm hooks only average: weighted reduction needs a poise codec")
+    buffer = bucket.buffer()
+    state.counters.add(raw_bytes=buffer.numel() * buffer.element_size(),
+                       wire_bytes=state.wire_bytes(state.torch_state, bucket), buckets=1)
+    return state.torch_hook(state.torch_state, bucket)
+
+
+def _fp16_wire_bytes(_: Any, bucket: dist.GradBucket) -> int:
+    return bucket.buffer().numel() * 2
+
+
+def _powersgd_wire_bytes(ps: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> int:
+    """Bytes torch's ``powerSGD_hook`` sends for ``bucket`` (read before it runs)."""
+    buffer = bucket.buffer()
+    if ps.iter < ps.start_powerSGD_iter:
+        return buffer.numel() * buffer.element_size()
+    total = 0
+    for grad in bucket.gradients():
+        rows = grad.shape[0] if grad.dim() > 1 else 0
+        cols = grad.numel() // rows if rows else 0
+        rank = min(rows, cols, ps.matrix_approximation_rank)
+        # torch compresses a matrix only when that at least divides its size by min_compression_rate
+        if rows and (rows + cols) * rank * ps.min_compression_rate < rows * cols:
+            total += (rows + cols) * rank * grad.element_size()
+        else:
+            total += grad.numel() * grad.element_size()
+    return total
+
+
+def _torch_fp16(config: CommConfig, group: dist.ProcessGroup | None) -> tuple[CommHook, TorchHookState]:
+    return torch_hook_adapter, TorchHookState(default_hooks.fp16_compress_hook, group, _fp16_wire_bytes)
+
+
+def _torch_powersgd(config: CommConfig, group: dist.ProcessGroup | None) -> tuple[CommHook, TorchHookState]:
+    # torch requires start_powerSGD_iter > 1 with error feedback or warm start (bucket rebuild)
+    start = max(2, config.start_step)
+    ps = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=config.powersgd_rank,
+                                     start_powerSGD_iter=start, use_error_feedback=config.error_feedback,
+                                     warm_start=True, random_seed=0)
+    return torch_hook_adapter, TorchHookState(powerSGD_hook.powerSGD_hook, ps, _powersgd_wire_bytes)
+
+
+TORCH_HOOKS: dict[str, Callable[[CommConfig, dist.ProcessGroup | None], tuple[CommHook, TorchHookState]]] = {
+    "torch-fp16": _torch_fp16,
+    "torch-powersgd": _torch_powersgd,
+}
+
+# CommConfig fields -> codec options, per codec that takes any
+_CODEC_OPTIONS: dict[str, Callable[[CommConfig], dict[str, Any]]] = {
+    "topk": lambda c: {"ratio": c.topk_ratio},
+    "randomk": lambda c: {"ratio": c.topk_ratio},
+    "powersgd": lambda c: {"rank": c.powersgd_rank},
+    "int8": lambda c: {"chunk_size": c.int8_chunk_size},
+}
+_BACKENDS = ("gloo", "nccl")
+
+
+def build(config: CommConfig, process_group: dist.ProcessGroup | None = None) -> tuple[CommHook, Any]:
+    """``(hook, state)`` for ``ddp.register_comm_hook(state, hook)``, from ``config``.
+
+    - ``none``: the uncompressed averaging all-reduce, bit-identical to plain DDP (the same
+      ``div_`` then sum that torch's ``allreduce_hook`` does), with poise's counters and weights.
+    - poise codecs (fp16, bf16, int8, sign, topk, randomk, powersgd): :class:`HookState` with
+      ``config.error_feedback``, ``start_step``, ``on_nonfinite`` and the codec's option.
+    - ``torch-fp16``: torch's ``fp16_compress_hook``. ``torch-powersgd``: torch's
+      ``powerSGD_hook`` with a ``PowerSGDState``. On gloo, torch's PowerSGD hook only works
+      with a single bucket (it starts its second collective from a future callback, which
+      hangs or crashes with several), so callers must build DDP with ``bucket_cap_mb`` above
+      the model size: see :func:`requires_single_bucket`.
+
+    The state has ``step_stats()`` and ``reset_step()`` in every case.
+    """
+    if config.codec in TORCH_HOOKS:
+        return TORCH_HOOKS[config.codec](config, process_group)
+    options = _CODEC_OPTIONS.get(config.codec, lambda _: {})(config)
+    state = make_state(config.codec, error_feedback=config.error_feedback, start_step=config.start_step,
+                       on_nonfinite=config.on_nonfinite, process_group=process_group, **options)
+    log.info("comm hook: %r, uncompressed for the first %d steps", state.codec, state.start_step)
+    return compressed_hook, state
+
+
+def requires_single_bucket(config: CommConfig) -> bool:
+    """Whether DDP must put all gradients in one bucket (torch's PowerSGD hook on gloo)."""
+    return config.codec == "torch-powersgd"
+
+
+def check_backend(config: CommConfig, backend: str) -> None:
+    """Raise a one-line ValueError if ``config.codec`` cannot run on ``backend``; call before training.
+
+    Tested with torch 2.13 on gloo (CPU): every name in ``CODEC_NAMES``, bf16 and fp16 payload
+    all-reduce included, and torch's fp16 hook. torch's ``bf16_compress_hook`` (not offered)
+    refuses to run without CUDA and NCCL. Other backends have not been tested.
+    """
+    if config.codec not in CODEC_NAMES:
+        raise ValueError(f"comm.codec={config.codec!r} is unknown: allowed are {', '.join(CODEC_NAMES)}")
+    if backend.lower() not in _BACKENDS:
+        raise ValueError(f"comm.codec={config.codec!r} on backend {backend!r}: poise's comm hooks support "
+                         f"{', '.join(_BACKENDS)}")

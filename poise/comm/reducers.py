@@ -1,0 +1,262 @@
+"""Reducers: move a codec's payloads between ranks and return the reduced gradient.
+
+A reducer owns no compression math (codecs do) and knows nothing of DDP (``hooks.py`` does).
+``reduce(tensor, key=..., weight=...)`` returns a future of ``sum_r w_r x_r`` over the ranks
+of the group, where ``w_r`` is the ``weight`` rank r passed, or ``1 / world_size`` for all if
+None (the mean, as DDP computes it). Pre-weighting happens before encoding, which also keeps
+fp16 payloads in range. The strategy follows from the codec, never from a flag
+(:func:`make_reducer`):
+
+1. :class:`AllReduceReducer`: summable payloads (casts, random-k, no compression) are summed
+   by one all-reduce and decoded once.
+2. :class:`AllGatherReducer`: other payloads (top-k, sign, int8) are packed into one byte
+   buffer per rank, all-gathered, and each rank decodes and sums them locally.
+3. :class:`LowRankReducer`: PowerSGD's two all-reduce rounds (P, then Q).
+
+Threading: collectives are launched in the caller's thread, in call order (DDP calls a hook
+per bucket in the same order on every rank), with ``async_op=True``. PowerSGD waits for round 1
+in the caller's thread, never in a future callback. Callbacks only decode locally. torch's own
+``powerSGD_hook`` launches round 2 from a callback, which hangs or crashes on gloo as soon as
+there is more than one bucket.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from poise.comm.codecs import Codec, Encoded, ErrorFeedback
+from poise.comm.codecs.base import Buffers
+from poise.comm.codecs.cast import IdentityCodec
+from poise.comm.codecs.lowrank import PowerSGDCodec
+
+Future = torch.futures.Future
+
+# all_gather_single is the new name (torch >= 2.10); all_gather_into_tensor warns there.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_ALIGN_BYTES = 8  # each rank's packed payload is padded to this, so every part stays aligned
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Communication counters of one rank over one step (since the last reset).
+
+    Attributes:
+        raw_bytes: gradient bytes handed to the reducers.
+        wire_bytes: bytes this rank put into collectives (its own payloads, padding included).
+        encode_s: seconds spent encoding, on the calling (autograd) thread.
+        decode_s: seconds spent decoding, in future callbacks.
+        buckets: number of buckets reduced.
+    """
+
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    buckets: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        """raw_bytes / wire_bytes (1.0 when nothing was sent)."""
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+
+class Counters:
+    """Accumulates :class:`StepStats`; safe to update from callback threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = StepStats()
+
+    def add(self, *, raw_bytes: int = 0, wire_bytes: int = 0, encode_s: float = 0.0, decode_s: float = 0.0,
+            buckets: int = 0) -> None:
+        with self._lock:
+            s = self._stats
+            self._stats = StepStats(s.raw_bytes + raw_bytes, s.wire_bytes + wire_bytes, s.encode_s + encode_s,
+                                    s.decode_s + decode_s, s.buckets + buckets)
+
+    def snapshot(self) -> StepStats:
+        with self._lock:
+            return self._stats
+
+    def reset(self) -> None:
+        with self._lock:
+            self._stats = StepStats()
+
+
+class Reducer(abc.ABC):
+    """Sum pre-weighted tensors over a process group through a codec.
+
+    Args:
+        codec: the codec (possibly wrapped in :class:`ErrorFeedback`).
+        group: the process group (None: the default group).
+        counters: where bytes and seconds are added (a private one if None).
+    """
+
+    def __init__(self, codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None) -> None:
+        self.codec = codec
+        self.group = group
+        self.counters = counters if counters is not None else Counters()
+        self._buffers = Buffers()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @abc.abstractmethod
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None) -> Future[torch.Tensor]:
+        """Future of ``sum_r w_r tensor_r`` (see the module docstring), written into ``tensor``.
+
+        Args:
+            tensor: a flat, contiguous gradient; overwritten (scaled, then the result).
+            key: identifies the tensor across calls (DDP's bucket index): per-key buffers,
+                residuals and warm starts. Every rank must call with the same keys in the
+                same order.
+            weight: this rank's factor ``w_r``; None means ``1 / world_size`` on every rank.
+        """
+
+    def _prescale(self, tensor: torch.Tensor, weight: float | None) -> None:
+        if weight is None:
+            tensor.div_(self.world_size)  # div_, not mul_(1/n): bit-identical to plain DDP
+        else:
+            tensor.mul_(weight)
+
+
+class AllReduceReducer(Reducer):
+    """Summable codecs: one all-reduce of the single payload tensor, then one decode."""
+
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None) -> Future[torch.Tensor]:
+        assert self.codec.summable, self.codec
+        self._prescale(tensor, weight)
+        start = time.perf_counter()
+        encoded = self.codec.encode(tensor, key=key)
+        (payload,) = encoded.tensors
+        self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=self.codec.nbytes(encoded),
+                          encode_s=time.perf_counter() - start, buckets=1)
+        work = dist.all_reduce(payload, group=self.group, async_op=True)
+
+        def decode(fut: Future[list[torch.Tensor]]) -> torch.Tensor:
+            fut.wait()  # re-raises a failed collective
+            t0 = time.perf_counter()
+            out = self.codec.decode(encoded, out=tensor)  # the payload now holds the sum
+            self.counters.add(decode_s=time.perf_counter() - t0)
+            return out
+
+        return work.get_future().then(decode)
+
+
+class AllGatherReducer(Reducer):
+    """Non-summable codecs: all-gather every rank's packed payload; decode and sum locally."""
+
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None) -> Future[torch.Tensor]:
+        self._prescale(tensor, weight)
+        start = time.perf_counter()
+        encoded = self.codec.encode(tensor, key=key)
+        chunk = -(-self.codec.nbytes(encoded) // _ALIGN_BYTES) * _ALIGN_BYTES
+        send = self._buffers.get(key, "send", (chunk,), torch.uint8, tensor.device)
+        _pack(encoded.tensors, send)
+        recv = self._buffers.get(key, "recv", (chunk * self.world_size,), torch.uint8, tensor.device)
+        self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=chunk, encode_s=time.perf_counter() - start, buckets=1)
+        work = _all_gather(recv, send, group=self.group, async_op=True)
+
+        def decode(fut: Future[list[torch.Tensor]]) -> torch.Tensor:
+            fut.wait()
+            t0 = time.perf_counter()
+            ranks = [_unpack(encoded, recv[r * chunk: (r + 1) * chunk]) for r in range(self.world_size)]
+            out = self.codec.decode_sum(ranks, out=tensor)
+            self.counters.add(decode_s=time.perf_counter() - t0)
+            return out
+
+        return work.get_future().then(decode)
+
+
+class LowRankReducer(Reducer):
+    """PowerSGD: all-reduce P = M Q, orthonormalize, all-reduce Q = M^T P, decode P Q^T.
+
+    Round 1 is waited for here, in the caller's thread: DDP calls hooks bucket by bucket in
+    the same order on every rank, so this cannot deadlock, and no collective is ever started
+    from a callback. With error feedback, a rank's residual is ``corrected - P Q_r^T``: the
+    part of its own gradient that the shared basis P did not capture (Vogels et al. 2019).
+    Buckets too small to gain are all-reduced uncompressed.
+    """
+
+    def __init__(self, codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None) -> None:
+        super().__init__(codec, group, counters)
+        self.ef = codec if isinstance(codec, ErrorFeedback) else None
+        inner = codec.codec if isinstance(codec, ErrorFeedback) else codec
+        assert isinstance(inner, PowerSGDCodec), codec
+        self.lowrank: PowerSGDCodec = inner
+        self._uncompressed = AllReduceReducer(IdentityCodec(), group, self.counters)
+
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None) -> Future[torch.Tensor]:
+        if not self.lowrank.compresses(tensor.numel()):
+            return self._uncompressed.reduce(tensor, key=key, weight=weight)
+        self._prescale(tensor, weight)
+        start = time.perf_counter()
+        corrected = self.ef.correct(tensor, key) if self.ef is not None else tensor
+        if corrected is None:  # a NaN/Inf gradient in "skip" mode: make every rank see NaN
+            corrected = tensor.fill_(float("nan"))
+        m = self.lowrank.as_matrix(corrected, key)
+        p = self.lowrank.project_p(m, key)
+        encode_s = time.perf_counter() - start
+        dist.all_reduce(p, group=self.group)  # round 1, waited for here (see the class docstring)
+        start = time.perf_counter()
+        self.lowrank.orthonormalize(p)
+        q = self.lowrank.project_q(m, p, key)
+        if self.ef is not None and corrected is not tensor:
+            # tensor is free now (corrected is the EF's copy): use it for P Q_r^T
+            self.ef.remember(key, corrected, self.lowrank.expand(p, q, tensor))
+        wire = _nbytes(p) + _nbytes(q)
+        self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=wire, buckets=1,
+                          encode_s=encode_s + time.perf_counter() - start)
+        work = dist.all_reduce(q, group=self.group, async_op=True)
+
+        def decode(fut: Future[list[torch.Tensor]]) -> torch.Tensor:
+            fut.wait()
+            t0 = time.perf_counter()
+            self.lowrank.remember(key, q)  # the summed Q: equal on all ranks, next warm start
+            out = self.lowrank.expand(p, q, tensor)
+            self.counters.add(decode_s=time.perf_counter() - t0)
+            return out
+
+        return work.get_future().then(decode)
+
+
+def make_reducer(codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None) -> Reducer:
+    """The reducer a codec needs: low-rank for PowerSGD, all-reduce if summable, else all-gather."""
+    inner = codec.codec if isinstance(codec, ErrorFeedback) else codec
+    if isinstance(inner, PowerSGDCodec):
+        return LowRankReducer(codec, group, counters)
+    if codec.summable:
+        return AllReduceReducer(codec, group, counters)
+    return AllGatherReducer(codec, group, counters)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _pack(tensors: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+    """Copy the payload tensors' bytes back to back into the uint8 buffer ``out``."""
+    offset = 0
+    for t in tensors:
+        assert offset % t.element_size() == 0, "codec payloads must come largest element first"
+        n = _nbytes(t)
+        out[offset: offset + n].copy_(t.reshape(-1).view(torch.uint8))
+        offset += n
+
+
+def _unpack(template: Encoded, packed: torch.Tensor) -> Encoded:
+    """Views into ``packed`` with the layout of ``template``'s payload tensors."""
+    parts, offset = [], 0
+    for t in template.tensors:
+        n = _nbytes(t)
+        parts.append(packed[offset: offset + n].view(t.dtype).view(t.shape))
+        offset += n
+    return template.with_tensors(parts)

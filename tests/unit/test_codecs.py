@@ -1,0 +1,324 @@
+"""Codecs and error feedback as pure functions: round-trip bounds, byte counts, summability,
+the error-feedback identity, state round trips, NaN handling, and the registry's errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from poise.comm import codecs
+from poise.comm.codecs import CODECS, ErrorFeedback, NonFiniteGradientError
+from poise.comm.codecs.lowrank import PowerSGDCodec
+from poise.comm.codecs.sign import _pack_signs_numpy, _pack_signs_torch
+from poise.comm.hooks import TORCH_HOOKS, check_backend
+from poise.comm.reducers import StepStats
+from poise.config import CODEC_NAMES, CommConfig
+
+SIZES = (0, 1, 7, 1000, 4099, 70_001)  # 70,001 > 65,536 takes top-k's sampled path
+
+
+def _x(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+# -- registry and options ------------------------------------------------------------------
+
+def test_registry_and_torch_hooks_offer_exactly_the_config_names():
+    assert set(CODECS) | set(TORCH_HOOKS) == set(CODEC_NAMES)
+    assert not set(CODECS) & set(TORCH_HOOKS)
+
+
+def test_unknown_codec_name_lists_the_valid_ones_on_one_line():
+    with pytest.raises(ValueError, match="codec 'zip' is unknown: allowed are none, fp16") as info:
+        codecs.make("zip")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk"])
+@pytest.mark.parametrize("ratio", [0.0, -0.1, 1.5])
+def test_ratio_outside_zero_one_is_refused(name, ratio):
+    with pytest.raises(ValueError, match=r"ratio=.* is outside \(0, 1\]"):
+        codecs.make(name, ratio=ratio)
+
+
+def test_bad_options_are_one_line_value_errors():
+    with pytest.raises(ValueError, match="codec 'fp16'"):
+        codecs.make("fp16", ratio=0.1)
+    with pytest.raises(ValueError, match="rank=0"):
+        codecs.make("powersgd", rank=0)
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        codecs.make("int8", chunk_size=0)
+    with pytest.raises(ValueError, match="rounding='up'"):
+        codecs.make("int8", rounding="up")
+    with pytest.raises(ValueError, match="on_nonfinite='ignore'"):
+        ErrorFeedback(codecs.make("sign"), on_nonfinite="ignore")
+
+
+def test_check_backend():
+    check_backend(CommConfig(codec="bf16"), "gloo")  # bf16 all-reduce works on gloo (torch 2.13)
+    check_backend(CommConfig(codec="torch-fp16"), "gloo")
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        check_backend(CommConfig(codec="topk"), "mpi")
+
+
+# -- shape, dtype, byte counts -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("n", SIZES)
+def test_decode_gives_shape_and_dtype_and_nbytes_is_the_payload_size(name, n):
+    codec = codecs.make(name)
+    x = _x(n)
+    encoded = codec.encode(x)
+    decoded = codec.decode(encoded)
+    assert decoded.shape == x.shape and decoded.dtype == x.dtype
+    assert codec.nbytes(encoded) == sum(t.numel() * t.element_size() for t in encoded.tensors)
+    assert codec.encoded_nbytes(n, x.dtype) == codec.nbytes(encoded)
+    assert ErrorFeedback(codec).encoded_nbytes(n) == codec.nbytes(encoded)
+    out = torch.empty_like(x)
+    assert codec.decode(encoded, out=out).data_ptr() == out.data_ptr()
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_decode_keeps_a_2d_shape_and_other_dtypes(name):
+    codec = codecs.make(name)
+    x = _x(600, dtype=torch.float64).view(20, 30)
+    encoded = codec.encode(x)
+    decoded = codec.decode(encoded)
+    assert decoded.shape == (20, 30) and decoded.dtype == torch.float64
+    assert codec.encoded_nbytes(600, torch.float64) == codec.nbytes(encoded)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_wire_sizes_follow_each_codecs_formula(n):
+    x = _x(n)
+    k = 0 if n == 0 else max(1, math.ceil(0.01 * n))
+    expected = {
+        "none": 4 * n,
+        "fp16": 2 * n,
+        "bf16": 2 * n,
+        "int8": n + 4 * math.ceil(n / 1024),
+        "sign": math.ceil(n / 8) + 4,
+        "topk": 8 * k,
+        "randomk": 4 * k,
+    }
+    for name, nbytes in expected.items():
+        codec = codecs.make(name)
+        assert codec.nbytes(codec.encode(x)) == nbytes, name
+    if n:
+        rows, cols = PowerSGDCodec.matrix_shape(n)
+        codec = codecs.make("powersgd", rank=2)
+        assert codec.nbytes(codec.encode(x)) == (rows + cols) * min(2, rows, cols) * 4
+
+
+# -- round-trip error bounds ---------------------------------------------------------------
+
+@pytest.mark.parametrize("n", SIZES)
+def test_casts_round_trip_within_their_precision(n):
+    x = _x(n)
+    assert torch.equal(codecs.make("none").decode(codecs.make("none").encode(x)), x)
+    for name, eps in (("fp16", 2.0**-11), ("bf16", 2.0**-8)):
+        codec = codecs.make(name)
+        err = (codec.decode(codec.encode(x)) - x).abs()
+        assert (err <= x.abs() * eps + 1e-7).all(), name
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk_size", [1, 100, 1024])
+def test_int8_error_is_at_most_half_a_step_per_chunk(n, chunk_size):
+    x = _x(n) * torch.linspace(0.01, 100, n)  # chunks of very different magnitude
+    x[: min(n, 50)] = 0.0  # an all-zero chunk
+    codec = codecs.make("int8", chunk_size=chunk_size)
+    encoded = codec.encode(x)
+    err = (codec.decode(encoded) - x).abs()
+    scales, q = encoded.tensors
+    step = scales.repeat_interleave(chunk_size)[:n]
+    assert (err <= step / 2 + 1e-6 * x.abs() + 1e-12).all()
+    assert int(q.abs().max()) <= 127 if n else True
+
+
+def test_int8_stochastic_rounding_is_within_one_step_and_unbiased():
+    codec = codecs.make("int8", chunk_size=64, rounding="stochastic", seed=1)
+    x = _x(6400)
+    step = codec.encode(x).tensors[0].repeat_interleave(64)
+    decodes = torch.stack([codec.decode(codec.encode(x)) for _ in range(200)])
+    assert ((decodes - x).abs() <= step + 1e-6).all()
+    assert (decodes.mean(0) - x).abs().mean() < 0.1 * step.mean()
+
+
+@pytest.mark.parametrize("n", [*SIZES, 8, 9, 15, 16, 17])
+def test_sign_decodes_to_signed_mean_magnitude(n):
+    x = _x(n)
+    decoded = codecs.make("sign").decode(codecs.make("sign").encode(x))
+    want = torch.where(x < 0, -1.0, 1.0) * (x.abs().mean() if n else 0.0)
+    torch.testing.assert_close(decoded, want)
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 9, 13, 64, 65, 70_007])
+def test_sign_bits_pack_the_same_in_numpy_and_torch_on_odd_lengths(n):
+    x = _x(n)
+    x[::3] = -x[::3].abs()
+    fast = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    portable = torch.empty_like(fast)
+    _pack_signs_numpy(x.numpy(), fast.numpy())
+    _pack_signs_torch(x, portable)
+    assert torch.equal(fast, portable)
+    bits = [(int(fast[i // 8]) >> (i % 8)) & 1 for i in range(n)]  # little-endian within a byte
+    assert bits == (x < 0).int().tolist()
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("exact", [True, False])
+def test_topk_keeps_exactly_the_largest_magnitudes(n, exact):
+    x = _x(n)
+    codec = codecs.make("topk", ratio=0.01, exact=exact)
+    decoded = codec.decode(codec.encode(x))
+    k = 0 if n == 0 else max(1, math.ceil(0.01 * n))
+    kept = decoded != 0
+    assert int(kept.sum()) == k
+    assert torch.equal(decoded[kept], x[kept])
+    if k:
+        assert set(kept.nonzero().view(-1).tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+def test_topk_fast_path_falls_back_when_the_sample_misleads(caplog):
+    x = torch.linspace(0.001, 1.0, 200_000)
+    x[::3] = 0.0  # the sample (every 3rd entry) sees zeros ...
+    x[0:3000:3] = 10.0  # ... and 1,000 large entries: its threshold keeps fewer than k = 2,000
+    codec = codecs.make("topk", ratio=0.01)
+    with caplog.at_level("DEBUG", logger="poise.comm.codecs.topk"):
+        decoded = codec.decode(codec.encode(x))
+    assert "exact pass" in caplog.text
+    assert set(decoded.nonzero().view(-1).tolist()) == set(torch.topk(x.abs(), 2000).indices.tolist())
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_randomk_sends_the_values_at_the_shared_indices(n):
+    x = _x(n)
+    a, b = codecs.make("randomk", ratio=0.1, seed=3), codecs.make("randomk", ratio=0.1, seed=3)
+    ea, eb = a.encode(x, key=5), b.encode(_x(n, seed=1), key=5)
+    assert torch.equal(ea.context, eb.context)  # two "ranks": same indices, nothing sent for them
+    decoded = a.decode(ea)
+    want = torch.zeros(n)
+    want[ea.context] = x[ea.context]
+    assert torch.equal(decoded, want)
+    assert not torch.equal(a.encode(x, key=5).context, ea.context) or n <= 1  # next step, new indices
+
+
+def test_powersgd_is_exact_on_low_rank_input_and_a_projection_otherwise():
+    g = torch.Generator().manual_seed(0)
+    low = (torch.randn(50, 3, generator=g) @ torch.randn(3, 50, generator=g)).view(-1)
+    codec = codecs.make("powersgd", rank=4)
+    torch.testing.assert_close(codec.decode(codec.encode(low)), low, atol=1e-4, rtol=1e-4)
+    x = _x(4099)
+    decoded = codec.decode(codec.encode(x))
+    assert decoded.norm() <= x.norm() and (x - decoded).norm() < x.norm()
+
+
+def test_powersgd_warm_start_improves_the_approximation_over_steps():
+    x = _x(4096) + (torch.randn(64, 1) @ torch.randn(1, 64)).view(-1) * 3
+    codec = codecs.make("powersgd", rank=1)
+    errors = [float((codec.decode(codec.encode(x, key=0)) - x).norm()) for _ in range(4)]
+    assert errors[-1] <= errors[0]
+
+
+# -- summable payloads ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [n for n, c in CODECS.items() if c.summable])
+def test_summable_payloads_decode_to_the_sum_of_decodes(name):
+    options = {"ratio": 0.2, "seed": 9} if name == "randomk" else {}
+    a, b = codecs.make(name, **options), codecs.make(name, **options)  # two ranks
+    x, y = _x(3001, seed=1), _x(3001, seed=2)
+    ex, ey = a.encode(x, key=0), b.encode(y, key=0)
+    separately = a.decode(ex) + b.decode(ey)
+    summed = ex.with_tensors([ex.tensors[0] + ey.tensors[0]])
+    tol = {"fp16": 2e-3, "bf16": 2e-2}.get(name, 0.0)
+    torch.testing.assert_close(a.decode(summed), separately, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CODECS.items() if not c.summable and n != "powersgd"])
+def test_decode_sum_is_the_sum_of_decodes(name):
+    codec = codecs.make(name)
+    encoded = [codec.encode(_x(2001, seed=s)) for s in range(3)]
+    want = sum(codec.decode(e) for e in encoded)
+    torch.testing.assert_close(codec.decode_sum(encoded, out=torch.empty(2001)), want)
+
+
+# -- error feedback -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_error_feedback_identity_and_nothing_is_lost(name):
+    ef = ErrorFeedback(codecs.make(name))
+    inner = codecs.make(name)
+    grads = [_x(3001, seed=s) for s in range(4)]
+    sent = torch.zeros(3001)
+    residual = torch.zeros(3001)
+    for g in grads:
+        corrected = g + residual
+        encoded = ef.encode(g, key=0)
+        decoded = ef.decode(encoded)
+        # residual = corrected - decode(encode(corrected))
+        torch.testing.assert_close(ef.residual(0), corrected - decoded, atol=1e-5, rtol=0)
+        if name != "powersgd" and name != "randomk":  # stateful codecs: another instance differs
+            torch.testing.assert_close(decoded, inner.decode(inner.encode(corrected)), atol=1e-6, rtol=0)
+        residual = ef.residual(0).clone()
+        sent += decoded
+    # what was sent plus what is still owed is exactly what was computed
+    torch.testing.assert_close(sent + residual, sum(grads), atol=1e-4, rtol=0)
+
+
+def test_error_feedback_keeps_one_residual_per_key_and_drops_one_of_another_size():
+    ef = ErrorFeedback(codecs.make("sign"))
+    ef.encode(_x(100), key="a")
+    ef.encode(_x(50), key="b")
+    assert ef.residual("a").numel() == 100 and ef.residual("b").numel() == 50
+    ef.encode(_x(80), key="a")  # DDP rebuilt its buckets: the old residual is not added
+    assert ef.residual("a").numel() == 80
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd", "randomk", "int8"])
+def test_error_feedback_state_dict_round_trip(name):
+    first = ErrorFeedback(codecs.make(name))
+    for s in range(3):
+        first.encode(_x(5000, seed=s), key=0)
+    state = first.state_dict()
+    second = ErrorFeedback(codecs.make(name))
+    second.load_state_dict(state)
+    assert torch.equal(second.residual(0), first.residual(0))
+    a, b = first.encode(_x(5000, seed=9), key=0), second.encode(_x(5000, seed=9), key=0)
+    assert torch.equal(first.decode(a), second.decode(b))
+    assert torch.equal(first.residual(0), second.residual(0))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_gradient_raises_in_error_mode(bad):
+    ef = ErrorFeedback(codecs.make("topk"))
+    ef.encode(_x(1000), key=0)
+    before = ef.residual(0).clone()
+    g = _x(1000, seed=1)
+    g[17] = bad
+    with pytest.raises(NonFiniteGradientError, match="bucket 0 holds 1 NaN/Inf entries of 1000"):
+        ef.encode(g, key=0)
+    assert torch.equal(ef.residual(0), before)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_nonfinite_gradient_in_skip_mode_keeps_the_residual_and_sends_nan(name, caplog):
+    ef = ErrorFeedback(codecs.make(name), on_nonfinite="skip")
+    ef.encode(_x(1000), key=0)
+    before = ef.residual(0).clone()
+    g = _x(1000, seed=1)
+    g[3] = float("nan")
+    decoded = ef.decode(ef.encode(g, key=0))
+    assert not torch.isfinite(decoded).all()
+    assert torch.equal(ef.residual(0), before)
+    assert ef.num_skipped == 1
+    assert "NaN/Inf" in caplog.text
+    ef.encode(_x(1000, seed=2), key=0)  # the next finite step proceeds normally
+    assert torch.isfinite(ef.residual(0)).all()
+
+
+def test_step_stats_compression_ratio():
+    assert StepStats(raw_bytes=1000, wire_bytes=10).compression_ratio == 100.0
+    assert StepStats().compression_ratio == 1.0

@@ -33,6 +33,8 @@ ALIASES = {
     "--codec": "comm.codec",
     "--topk-ratio": "comm.topk_ratio",
 }
+# On/off switches: --NAME sets the boolean setting true, --no-NAME false.
+SWITCHES = {"--error-feedback": "comm.error_feedback"}
 _PREFIX = "config:"
 
 
@@ -58,6 +60,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for flag, key in ALIASES.items():
         parser.add_argument(flag, dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V",
                             help=f"{fields[key][1]} (= --{key})")
+    for flag, key in SWITCHES.items():
+        negated = "--no-" + flag.removeprefix("--")
+        parser.add_argument(flag, dest=_PREFIX + key, action="store_const", const="true", default=argparse.SUPPRESS,
+                            help=f"{fields[key][1]} (= --{key} true; {negated} turns it off)")
+        parser.add_argument(negated, dest=_PREFIX + key, action="store_const", const="false",
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     group = parser.add_argument_group("every setting")
     for key, (_, help_) in fields.items():
         group.add_argument(f"--{key}", dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V", help=help_)

@@ -48,13 +48,14 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class BucketProbe:
-    """Per-step record of when buckets became ready and how many bytes they carried.
+    """Per-step record of when this rank's gradient buckets became ready.
 
     Attributes:
         last_ready_s: ``time.perf_counter()`` (seconds) when the last bucket reached the hook
             this step, or None before any did.
-        bytes_this_step: gradient bytes handed to communication this step, per rank.
         buckets_this_step: number of buckets seen this step.
+
+    (Bytes are counted by the hook's own state: ``step_stats()``.)
     """
 
     def __init__(self, synchronize_cuda: bool = False) -> None:
@@ -64,7 +65,6 @@ class BucketProbe:
     def reset(self) -> None:
         """Start a new step."""
         self.last_ready_s: float | None = None
-        self.bytes_this_step = 0
         self.buckets_this_step = 0
 
     def on_bucket(self, buffer: torch.Tensor) -> None:
@@ -73,7 +73,6 @@ class BucketProbe:
             # would only say when they were queued. Costs some overlap; buys honest numbers.
             torch.cuda.synchronize(buffer.device)
         self.last_ready_s = time.perf_counter()
-        self.bytes_this_step += buffer.numel() * buffer.element_size()
         self.buckets_this_step += 1
 
 

@@ -89,7 +89,13 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "idle_fraction": idle_fraction(compute),
         "comm_fraction": float(np.clip(blocked - idle, 0, None).sum() / step_s.sum()),
         "blocked_fraction": float(blocked.sum() / step_s.sum()),
-        "bytes_communicated_per_step": float(np.median(column(steady, "comm_bytes"))),
+        # bytes this rank put on the wire per step (after compression), and before it
+        "bytes_communicated_per_step": float(np.median(column(steady, "wire_bytes"))),
+        "comm_raw_bytes_per_step": float(np.median(column(steady, "raw_bytes"))),
+        "comm_wire_bytes_per_step": float(np.median(column(steady, "wire_bytes"))),
+        "compression_ratio": float(column(steady, "raw_bytes").sum() / max(column(steady, "wire_bytes").sum(), 1)),
+        "codec_s_per_step": float(np.median(column(steady, "codec_s"))),
+        "steps_skipped": int(column(table, "skipped").max(axis=0).sum()),
         "padding_waste": float(padded / tokens - 1.0) if tokens else 0.0,
         "ideal_tokens_per_s": ideal,
         "throughput_vs_ideal": steady_tput / ideal if ideal else 0.0,
@@ -144,7 +150,8 @@ def summary_table(report: dict[str, Any]) -> Any:
     """A rich Table of the headline figures of a report.json dict."""
     from rich.table import Table
 
-    table = Table(title=f"poise train: {report['task']} on {report['world_size']} ranks")
+    table = Table(title=f"poise train: {report['task']} on {report['world_size']} ranks, "
+                        f"balance {report.get('balance_strategy', 'static')}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     unit = report.get("loss_unit", "")
@@ -157,7 +164,9 @@ def summary_table(report: dict[str, Any]) -> Any:
         ("balance", f"{report['balance']:.3f}"),
         ("idle fraction", f"{report['idle_fraction']:.1%}"),
         ("comm fraction", f"{report['comm_fraction']:.1%}"),
-        ("bytes communicated / step", f"{report['bytes_communicated_per_step'] / 1e6:.2f} MB"),
+        ("bytes communicated / step", f"{report['bytes_communicated_per_step'] / 1e6:.3f} MB"),
+        ("compression", f"{report['compression_ratio']:.1f}x ({report.get('codec', 'none')})"),
+        ("padding waste", f"{report['padding_waste']:.2f} padded per real token"),
         ("train loss (first → last)", f"{report['train_loss_first']:.3f} → {report['train_loss_last']:.3f} {unit}"),
         ("eval loss", f"{report['eval_loss']:.4f} {unit}"),
         ("eval accuracy", f"{report['eval_accuracy']:.2%}"),

@@ -50,7 +50,10 @@ class StepRecord:
     tokens: int
     padded_tokens: int
     loss: float
-    comm_bytes: int
+    raw_bytes: int  # gradient bytes handed to communication
+    wire_bytes: int  # bytes this rank put into collectives after compression
+    codec_s: float  # encode + decode seconds (encode overlaps backward, decode the wait)
+    skipped: int  # 1 when the optimizer step was skipped (non-finite gradients)
 
     @property
     def compute_s(self) -> float:

@@ -1,14 +1,21 @@
 """One training step, timed phase by phase: the only place that knows the order of a step.
 
 data → forward → backward (DDP's hook fires per bucket; the probe notes when this rank's
-last bucket was ready) → clip → optimizer → scheduler. Returns a
-:class:`~poise.diagnostics.timeline.StepRecord`.
+last bucket was ready; the hook compresses and reduces) → clip → optimizer → scheduler.
+Returns a :class:`~poise.diagnostics.timeline.StepRecord`.
+
+A step whose reduced gradients are not finite (a NaN/Inf a codec let through with
+``comm.on_nonfinite='skip'``) skips the optimizer: the same on every rank, since every rank
+holds the same reduced gradient.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +24,8 @@ from poise.comm.hooks import BucketProbe
 from poise.diagnostics.timeline import StepRecord
 from poise.runtime.slowdown import Slowdown
 from poise.tasks.base import Task
+
+log = logging.getLogger(__name__)
 
 
 def _sync(device: torch.device) -> None:
@@ -35,6 +44,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     probe: BucketProbe,
+    comm_state: Any,
     slowdown: Slowdown,
     grad_clip_norm: float,
     device: torch.device,
@@ -43,6 +53,7 @@ def train_step(
 
     ``loss_scale`` multiplies the loss before backward, so that DDP's average of the ranks'
     gradients weights each rank by its share of the step's loss terms (runtime/data.py).
+    ``comm_state`` is the comm hook's state (``reset_step()``, ``step_stats()``).
     """
     wall_start = time.time()
     t0 = time.perf_counter()
@@ -50,6 +61,7 @@ def train_step(
     t1 = time.perf_counter()
 
     probe.reset()
+    comm_state.reset_step()
     slowdown.mark_s = t1
     loss = task.train_loss(model, batch)
     _sync(device)
@@ -61,13 +73,18 @@ def train_step(
     # No bucket reached the hook only if nothing needs a gradient; then there was no comm.
     ready = probe.last_ready_s if probe.last_ready_s is not None else t3
 
-    if grad_clip_norm > 0:
-        nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm)
-    optimizer.step()
+    # The total norm is needed anyway for clipping; it also tells whether the gradient is finite.
+    norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm if grad_clip_norm > 0 else math.inf)
+    skipped = not math.isfinite(float(norm))
+    if skipped:
+        log.warning("step %d: gradient norm is %s: optimizer step skipped", step, float(norm))
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     loss_value = float(loss.detach())  # synchronises on CUDA; the step is over anyway
     t4 = time.perf_counter()
+    stats = comm_state.step_stats()
 
     return StepRecord(
         step=step,
@@ -82,5 +99,8 @@ def train_step(
         tokens=batch.num_tokens,
         padded_tokens=batch.num_padded_tokens,
         loss=loss_value,
-        comm_bytes=probe.bytes_this_step,
+        raw_bytes=stats.raw_bytes,
+        wire_bytes=stats.wire_bytes,
+        codec_s=stats.encode_s + stats.decode_s,
+        skipped=int(skipped),
     )

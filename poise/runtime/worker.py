@@ -25,7 +25,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 from poise import config as config_mod
-from poise.comm.hooks import BucketProbe, allreduce_hook, instrumented
+from poise.comm import hooks as comm_hooks
+from poise.comm.hooks import BucketProbe, instrumented
 from poise.config import RunConfig
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.timeline import Timeline, write_chrome_trace
@@ -89,9 +90,16 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
 
     torch.manual_seed(tc.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
-    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    comm_hooks.check_backend(config.comm, ctx.backend)
+    bucket_cap_mb = 25.0  # DDP's default
+    if comm_hooks.requires_single_bucket(config.comm):
+        bucket_cap_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+    ddp = DistributedDataParallel(
+        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb
+    )
     probe = BucketProbe(synchronize_cuda=ctx.device.type == "cuda")
-    ddp.register_comm_hook(None, slowdown.wrap_hook(instrumented(allreduce_hook(), probe)))
+    hook, comm_state = comm_hooks.build(config.comm)
+    ddp.register_comm_hook(comm_state, slowdown.wrap_hook(instrumented(hook, probe)))
 
     data = build_data_plan(config, task, ctx)
     total_steps = data.total_steps()
@@ -112,11 +120,15 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
             rec = train_step(
                 step=step, model=ddp, task=task, indices=mine,
                 loss_scale=loss_scale(batches, ctx.rank, task.train_targets), optimizer=optimizer,
-                scheduler=scheduler, probe=probe, slowdown=slowdown, grad_clip_norm=tc.grad_clip_norm,
+                scheduler=scheduler, probe=probe, comm_state=comm_state, slowdown=slowdown,
+                grad_clip_norm=tc.grad_clip_norm,
                 device=ctx.device,
             )
-            if not math.isfinite(rec.loss):
-                raise FloatingPointError(f"training loss is {rec.loss} at step {step} on rank {ctx.rank}")
+            if not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
+                raise FloatingPointError(
+                    f"training loss is {rec.loss} at step {step} on rank {ctx.rank} "
+                    "(comm.on_nonfinite='skip' skips such steps instead)"
+                )
             timeline.record(rec)
             if data.partitioner is not None:
                 data.partitioner.observe(task.train_lengths[mine], rec.compute_s)
@@ -150,6 +162,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         "eval_accuracy": result.accuracy,
         "eval_count": result.count,
         "balance_strategy": config.balance.strategy,
+        "codec": config.comm.codec,
         "replans": [e.__dict__ for e in data.partitioner.history] if data.partitioner else [],
         # emulated heterogeneity per rank (speed 1.0, method 'none' = not slowed)
         "emulated_slowdown": slowdowns,

@@ -59,6 +59,12 @@ def test_bad_values_give_one_line_errors(argv, needle):
     assert "\n" not in str(info.value)
 
 
+def test_switches_turn_booleans_on_and_off():
+    assert resolve(parse("--no-error-feedback")).comm.error_feedback is False
+    assert resolve(parse("--no-error-feedback", "--error-feedback")).comm.error_feedback is True
+    assert resolve(parse("--codec", "sign", "--topk-ratio", "0.1")).comm.topk_ratio == 0.1
+
+
 def test_unknown_keys_in_file_are_rejected(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("[train]\nstepz = 3\n")

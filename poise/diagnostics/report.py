@@ -93,7 +93,8 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "bytes_communicated_per_step": float(np.median(column(steady, "wire_bytes"))),
         "comm_raw_bytes_per_step": float(np.median(column(steady, "raw_bytes"))),
         "comm_wire_bytes_per_step": float(np.median(column(steady, "wire_bytes"))),
-        "compression_ratio": float(column(steady, "raw_bytes").sum() / max(column(steady, "wire_bytes").sum(), 1)),
+        # median over steps, so the uncompressed warm-up steps do not dilute it
+        "compression_ratio": float(np.median(column(steady, "raw_bytes") / np.maximum(column(steady, "wire_bytes"), 1))),
         "codec_s_per_step": float(np.median(column(steady, "codec_s"))),
         "steps_skipped": int(column(table, "skipped").max(axis=0).sum()),
         "padding_waste": float(padded / tokens - 1.0) if tokens else 0.0,

@@ -10,6 +10,8 @@ from torch.nn.parallel import DistributedDataParallel
 from poise.balance.costs import AttentionCost
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.sampler import BalancedBatchSampler
+from poise.comm import hooks as comm_hooks
+from poise.config import CommConfig
 from poise.runtime.data import loss_scale
 from poise.tasks.code_lm import ByteTransformer, code_lm_loss, collate_bytes
 from tests.harness import run_ranks
@@ -31,23 +33,27 @@ def _model() -> torch.nn.Module:
     return ByteTransformer(max_seq_len=64, d_model=16, num_layers=1, num_heads=2)
 
 
-def _unequal_split_gradient(rank: int, world_size: int):
+def _unequal_split_gradient(rank: int, world_size: int, codec: str):
     samples = _samples()
     targets = np.array(LENGTHS) - 1  # code-lm: every byte but the first is a loss term
     batches = [np.array(b) for b in SPLIT]
     ddp = DistributedDataParallel(_model())
+    if codec != "ddp":
+        hook, state = comm_hooks.build(CommConfig(codec=codec, start_step=0, error_feedback=False))
+        ddp.register_comm_hook(state, hook)
     batch = collate_bytes([samples[i] for i in SPLIT[rank]])
     (code_lm_loss(ddp, batch) * loss_scale(batches, rank, targets)).backward()
     return [p.grad.clone() for p in ddp.parameters()]
 
 
-def test_unequal_batches_give_the_gradient_of_the_global_batch():
-    grads = run_ranks(_unequal_split_gradient, world_size=2, timeout_s=90)
+@pytest.mark.parametrize(("codec", "rtol", "atol"), [("ddp", 1e-4, 1e-6), ("none", 1e-4, 1e-6), ("fp16", 2e-3, 1e-5)])
+def test_unequal_batches_give_the_gradient_of_the_global_batch(codec, rtol, atol):
+    grads = run_ranks(_unequal_split_gradient, world_size=2, timeout_s=90, codec=codec)
     reference = _model()
     code_lm_loss(reference, collate_bytes(_samples())).backward()
     for rank_grads in grads:
         for got, want in zip(rank_grads, [p.grad for p in reference.parameters()], strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     # and plain averaging (no weighting) would have been wrong
     assert abs(loss_scale([np.array(b) for b in SPLIT], 0, np.array(LENGTHS) - 1) - 1.0) > 0.1
 

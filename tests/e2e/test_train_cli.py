@@ -141,3 +141,15 @@ def test_cost_balance_with_token_budget_reports_padding(tmp_path, cache_dir):
     assert report["balance_strategy"] == "cost"
     assert 0.0 <= report["padding_waste"] < 0.5
     assert report["ideal_tokens_per_s"] > 0 and 0 < report["throughput_vs_ideal"] <= 1.05
+
+
+@pytest.mark.parametrize(("codec", "min_ratio"), [("sign", 20.0), ("torch-powersgd", 2.0)])
+def test_train_with_a_gradient_codec(tmp_path, codec, min_ratio):
+    proc = run_poise("train", "--task", "digits", "--nproc", "2", "--steps", "12", "--codec", codec,
+                     "--out", str(tmp_path), *QUIET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["codec"] == codec
+    assert report["compression_ratio"] >= min_ratio
+    assert report["comm_wire_bytes_per_step"] < report["comm_raw_bytes_per_step"]
+    assert report["train_loss_last"] < report["train_loss_first"]

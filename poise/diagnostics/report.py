@@ -77,6 +77,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         entry["tokens_per_compute_s"] = float(column(one, "tokens").sum() / column(one, "compute_s").sum())
         per_rank.append(entry)
     ideal = sum(r["tokens_per_compute_s"] for r in per_rank)
+    raw, wire = column(steady, "raw_bytes"), column(steady, "wire_bytes")
     steady_tput = float(column(steady, "tokens").sum() / step_s.max(axis=1).sum())
     step_balance = [balance(row) for row in compute]
     return {
@@ -90,11 +91,11 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "comm_fraction": float(np.clip(blocked - idle, 0, None).sum() / step_s.sum()),
         "blocked_fraction": float(blocked.sum() / step_s.sum()),
         # bytes this rank put on the wire per step (after compression), and before it
-        "bytes_communicated_per_step": float(np.median(column(steady, "wire_bytes"))),
-        "comm_raw_bytes_per_step": float(np.median(column(steady, "raw_bytes"))),
-        "comm_wire_bytes_per_step": float(np.median(column(steady, "wire_bytes"))),
+        "bytes_communicated_per_step": float(np.median(wire)),
+        "comm_raw_bytes_per_step": float(np.median(raw)),
+        "comm_wire_bytes_per_step": float(np.median(wire)),
         # median over steps, so the uncompressed warm-up steps do not dilute it
-        "compression_ratio": float(np.median(column(steady, "raw_bytes") / np.maximum(column(steady, "wire_bytes"), 1))),
+        "compression_ratio": float(np.median(raw / np.maximum(wire, 1))),
         "codec_s_per_step": float(np.median(column(steady, "codec_s"))),
         "steps_skipped": int(column(table, "skipped").max(axis=0).sum()),
         "padding_waste": float(padded / tokens - 1.0) if tokens else 0.0,

@@ -17,6 +17,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from poise.runtime import dist as rdist
 from poise.runtime.data import build_data_plan, loss_scale
 from poise.runtime.evaluate import evaluate
 from poise.runtime.faults import FaultPlan
-from poise.runtime.slowdown import apply_slowdown
+from poise.runtime.slowdown import Slowdown, apply_slowdown
 from poise.runtime.step import train_step
 from poise.tasks.base import Task
 from poise.tasks.registry import build_task
@@ -78,17 +79,14 @@ def lr_schedule(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
-    """Run the configured job on this rank; rank 0 returns the report dict."""
-    started = time.perf_counter()
-    threads = rdist.threads_for(config.dist, ctx.local_world_size)
-    torch.set_num_threads(threads)
-    seed_everything(config.train.seed, ctx.rank)
-    task = build_task_once_per_node(config, ctx)
-    tc = config.train
-    slowdown = apply_slowdown(ctx.rank, config.balance.rank_speeds(), config.balance.slowdown_method, threads)
+def wrap_model(
+    config: RunConfig, task: Task, ctx: rdist.DistContext, slowdown: Slowdown
+) -> tuple[DistributedDataParallel, BucketProbe, Any]:
+    """The task's model in DDP, with the configured comm hook behind the timing probe.
 
-    torch.manual_seed(tc.seed)  # the same initial weights everywhere (DDP also broadcasts them)
+    Returns ``(ddp, probe, comm_state)``; the comm state counts bytes and codec seconds.
+    """
+    torch.manual_seed(config.train.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
     comm_hooks.check_backend(config.comm, ctx.backend)
     bucket_cap_mb = 25.0  # DDP's default
@@ -99,8 +97,21 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     )
     probe = BucketProbe(synchronize_cuda=ctx.device.type == "cuda")
     hook, comm_state = comm_hooks.build(config.comm)
+    # order matters: the emulated slowness must happen before the probe reads the clock
     ddp.register_comm_hook(comm_state, slowdown.wrap_hook(instrumented(hook, probe)))
+    return ddp, probe, comm_state
 
+
+def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
+    """Run the configured job on this rank; rank 0 writes the outputs and returns the report."""
+    started = time.perf_counter()
+    threads = rdist.threads_for(config.dist, ctx.local_world_size)
+    torch.set_num_threads(threads)
+    seed_everything(config.train.seed, ctx.rank)
+    task = build_task_once_per_node(config, ctx)
+    tc = config.train
+    slowdown = apply_slowdown(ctx.rank, config.balance.rank_speeds(), config.balance.slowdown_method, threads)
+    ddp, probe, comm_state = wrap_model(config, task, ctx, slowdown)
     data = build_data_plan(config, task, ctx)
     total_steps = data.total_steps()
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=tc.lr or task.default_lr, weight_decay=tc.weight_decay)
@@ -108,9 +119,9 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     timeline = Timeline(ctx.rank, ctx.world_size, config.diagnostics.gather_every_steps, ctx.device)
     faults = FaultPlan.from_config(config.faults)
     log.info(
-        "training %s: %d params, %d train samples, %d steps, balance %s",
-        task.name, sum(p.numel() for p in model.parameters()), len(task.train_lengths), total_steps,
-        config.balance.strategy,
+        "training %s: %d params, %d train samples, %d steps, balance %s, codec %s",
+        task.name, sum(p.numel() for p in ddp.parameters()), len(task.train_lengths), total_steps,
+        config.balance.strategy, config.comm.codec,
     )
 
     with step_progress(config.diagnostics.progress and ctx.is_main, total_steps) as progress:
@@ -121,8 +132,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
                 step=step, model=ddp, task=task, indices=mine,
                 loss_scale=loss_scale(batches, ctx.rank, task.train_targets), optimizer=optimizer,
                 scheduler=scheduler, probe=probe, comm_state=comm_state, slowdown=slowdown,
-                grad_clip_norm=tc.grad_clip_norm,
-                device=ctx.device,
+                grad_clip_norm=tc.grad_clip_norm, device=ctx.device,
             )
             if not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
                 raise FloatingPointError(
@@ -140,23 +150,18 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
                 log.info("step %d/%d loss %.4f step %.0f ms", step + 1, total_steps, rec.loss, rec.step_s * 1e3)
     timeline.flush()
 
-    eval_batch = tc.batch_size or task.default_batch_size
-    result = evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples, batch_size=eval_batch)
-    slowdowns: list[dict] = [{}] * ctx.world_size
-    if ctx.world_size > 1:
-        dist.all_gather_object(slowdowns, {"speed": slowdown.speed, "method": slowdown.method})
-    else:
-        slowdowns = [{"speed": slowdown.speed, "method": slowdown.method}]
+    result = evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples,
+                      batch_size=tc.batch_size or task.default_batch_size)
+    slowdowns: list[dict] = [{}] * ctx.world_size  # emulated heterogeneity of every rank
+    dist.all_gather_object(slowdowns, {"speed": slowdown.speed, "method": slowdown.method})
     if not ctx.is_main:
         return None
-    table = timeline.table()
-    out = Path(config.out_dir)
     report = {
         "task": task.name,
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "wall_s": time.perf_counter() - started,
-        **report_mod.summarize(table, loss_scale=task.loss_in_unit(1.0)),
+        **report_mod.summarize(timeline.table(), loss_scale=task.loss_in_unit(1.0)),
         "loss_unit": result.unit,
         "eval_loss": result.loss,
         "eval_accuracy": result.accuracy,
@@ -164,19 +169,24 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         "balance_strategy": config.balance.strategy,
         "codec": config.comm.codec,
         "replans": [e.__dict__ for e in data.partitioner.history] if data.partitioner else [],
-        # emulated heterogeneity per rank (speed 1.0, method 'none' = not slowed)
-        "emulated_slowdown": slowdowns,
+        "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed
         "config": config_mod.to_dict(config),
     }
-    write_json_atomic(out / "report.json", report)
-    write_chrome_trace(table, out / "trace.json")
-    if config.diagnostics.plot:
-        report_mod.plot_timeline(table, out / "timeline.png")
+    write_outputs(Path(config.out_dir), report, timeline, plot=config.diagnostics.plot)
     log.info(
         "done: eval loss %.4f %s, accuracy %.2f%%, %.1f samples/s, balance %.3f",
         result.loss, result.unit, 100 * result.accuracy, report["throughput_samples_per_s"], report["balance"],
     )
     return report
+
+
+def write_outputs(out: Path, report: dict, timeline: Timeline, *, plot: bool) -> None:
+    """Rank 0: report.json, trace.json and (optionally) timeline.png, each written whole."""
+    table = timeline.table()
+    write_json_atomic(out / "report.json", report)
+    write_chrome_trace(table, out / "trace.json")
+    if plot:
+        report_mod.plot_timeline(table, out / "timeline.png")
 
 
 @record

@@ -83,6 +83,12 @@ def _limit_with_cgroup(speed: float, threads: int) -> Path:
     if found is None:
         raise OSError("no writable cgroup CPU controller")
     root, version = found
+    # Groups of workers that were killed (atexit did not run) are empty now: remove them.
+    for stale in root.glob("poise-slow-*"):
+        pid = stale.name.removeprefix("poise-slow-")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                stale.rmdir()
     group = root / f"poise-slow-{os.getpid()}"
     group.mkdir(exist_ok=True)
     quota = max(1000, int(speed * threads * _PERIOD_US))

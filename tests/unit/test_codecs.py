@@ -193,6 +193,21 @@ def test_topk_fast_path_falls_back_when_the_sample_misleads(caplog):
     assert set(decoded.nonzero().view(-1).tolist()) == set(torch.topk(x.abs(), 2000).indices.tolist())
 
 
+def test_topk_fast_path_keeps_every_entry_larger_than_a_tie_at_the_kth_value():
+    x = torch.zeros(100_000)
+    x[:50_000:10] = 1.0  # 5,000 ties at the k-th value (k = 1,000), ahead of the larger entries
+    x[60_000:60_600] = -torch.linspace(2.0, 3.0, 600)
+    codec = codecs.make("topk", ratio=0.01)
+    encoded = codec.encode(x, key=0)
+    values, indices = sorted(encoded.tensors, key=lambda t: not t.is_floating_point())
+    indices = indices.long()
+    assert indices.numel() == 1000 and torch.equal(indices, indices.sort().values)
+    assert set(range(60_000, 60_600)) <= set(indices.tolist())  # all 600 larger entries
+    assert torch.equal(values, x[indices]) and int((values == 1.0).sum()) == 400
+    decoded = codec.decode(encoded)
+    assert torch.equal(decoded[indices], values) and int((decoded != 0).sum()) == 1000
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_randomk_sends_the_values_at_the_shared_indices(n):
     x = _x(n)

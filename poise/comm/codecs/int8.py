@@ -14,7 +14,9 @@ Speed: work goes in blocks of about a million entries (4 MiB: they stay in the L
 between the passes over them). Nearest rounding uses the float trick: adding 1.5 x 2**23
 to a value in [-127, 127] leaves round(value) in the low bits of the float, so a multiply
 and an add scale and round, and an int32 -> int8 copy extracts the result; no separate
-``round`` pass. The per-chunk max |x| is max(amax, -amin) over the whole tensor at once.
+``round`` pass. The per-chunk max |x| is max(amax, -amin), taken block by block so that the
+block is read from memory once for both the scales and the quantization (taking the scales
+over the whole tensor first read it three times: 13 ms -> 9 ms encode for 100 MB on 2 cores).
 """
 
 from __future__ import annotations

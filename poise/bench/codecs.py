@@ -109,16 +109,19 @@ def accuracy_table(out_dir: Any, names: list[str], train_args: list[str], timeou
     rows = []
     for name in names:
         report = run_train_job(name, out_dir, [*train_args, "--comm.codec", name], timeout_s)
-        raw, wire = report.get("comm_raw_bytes_per_step"), report.get("comm_wire_bytes_per_step")
-        row = {"codec": name, **{k: report[k] for k in ("eval_accuracy", "eval_loss", "comm_fraction",
-                                                         "median_step_s") if k in report}}
-        if raw and wire:
-            row["compression_ratio"] = raw / wire
-        rows.append(row)
+        rows.append({
+            "codec": name,
+            **{k: report[k] for k in ("eval_accuracy", "eval_loss", "loss_unit", "comm_fraction", "median_step_s",
+                                      "compression_ratio", "codec_s_per_step")},
+            # seconds per step blocked in communication, mean over ranks of their medians
+            "comm_wait_s": sum(r["median_comm_wait_s"] for r in report["per_rank"]) / len(report["per_rank"]),
+        })
     base = next((r for r in rows if r["codec"] == "none"), None)
     for row in rows:
-        if base is not None and "eval_accuracy" in row and "eval_accuracy" in base:
+        if base is not None:
             row["accuracy_delta"] = row["eval_accuracy"] - base["eval_accuracy"]
+            row["loss_delta_pct"] = 100 * (row["eval_loss"] / base["eval_loss"] - 1)
+            row["comm_wait_vs_none"] = row["comm_wait_s"] / base["comm_wait_s"] if base["comm_wait_s"] else None
     return rows
 
 
@@ -136,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mbytes", type=float, default=100.0, help="gradient size for the kernel table, MB")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per kernel (medians)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repeats first")
-    parser.add_argument("--kernels", default=",".join(labels), help=f"kernel rows: {', '.join(labels)}")
+    parser.add_argument("--kernels", default=",".join(labels),
+                        help=f"kernel rows: {', '.join(labels)} ('' skips the kernel table)")
     parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
                         help="also train once per codec (table 2)")
     parser.add_argument("--codecs", default=",".join(ACCURACY_CODECS), help="codecs for the training runs")
@@ -150,25 +154,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_positive(args, "mbytes", "repeats", "steps", "nproc", "timeout_s")
-    labels = _names(args.kernels, [c.label for c in KERNEL_CASES], "--kernels")
+    labels = _names(args.kernels, [c.label for c in KERNEL_CASES], "--kernels") if args.kernels else []
     names = _names(args.codecs, list(ACCURACY_CODECS), "--codecs") if args.accuracy else []
     out = output_dir(args.out, "codecs")
     kernels = kernel_table(args.mbytes, args.repeats, max(0, args.warmup), labels)
-    show_table(
-        f"poise bench codecs: encode+decode of a {args.mbytes:g} MB float32 gradient, "
-        f"{torch.get_num_threads()} threads, medians of {args.repeats}",
-        kernels,
-        [
-            ("codec", "codec", str),
-            ("encode_ms", "encode", lambda v: f"{v:.1f} ms"),
-            ("decode_ms", "decode", lambda v: f"{v:.1f} ms"),
-            ("codec_gb_per_s", "enc+dec", lambda v: f"{v:.2f} GB/s"),
-            ("memcpy_gb_per_s", "memcpy", lambda v: f"{v:.2f} GB/s"),
-            ("vs_memcpy", "vs memcpy", lambda v: f"{v:.2f}x"),
-            ("target_vs_memcpy", "target", lambda v: "-" if v is None else f">= {v:.2f}x"),
-            ("compression_ratio", "compression", lambda v: f"{v:.1f}x"),
-        ],
-    )
+    if kernels:
+        show_table(
+            f"poise bench codecs: encode+decode of a {args.mbytes:g} MB float32 gradient, "
+            f"{torch.get_num_threads()} threads, medians of {args.repeats}",
+            kernels,
+            [
+                ("codec", "codec", str),
+                ("encode_ms", "encode", lambda v: f"{v:.1f} ms"),
+                ("decode_ms", "decode", lambda v: f"{v:.1f} ms"),
+                ("codec_gb_per_s", "enc+dec", lambda v: f"{v:.2f} GB/s"),
+                ("memcpy_gb_per_s", "memcpy", lambda v: f"{v:.2f} GB/s"),
+                ("vs_memcpy", "vs memcpy", lambda v: f"{v:.2f}x"),
+                ("target_vs_memcpy", "target", lambda v: "-" if v is None else f">= {v:.2f}x"),
+                ("compression_ratio", "compression", lambda v: f"{v:.1f}x"),
+            ],
+        )
     results: dict[str, Any] = {"mbytes": args.mbytes, "repeats": args.repeats, "warmup": args.warmup,
                                "threads": torch.get_num_threads(), "kernels": kernels}
     if names:
@@ -182,8 +187,11 @@ def run(args: argparse.Namespace) -> int:
                 ("eval_accuracy", "eval acc", lambda v: f"{v:.2%}"),
                 ("accuracy_delta", "vs none", lambda v: f"{v * 100:+.2f} pt"),
                 ("eval_loss", "eval loss", lambda v: f"{v:.4f}"),
+                ("loss_delta_pct", "loss vs none", lambda v: f"{v:+.2f}%"),
                 ("compression_ratio", "compression", lambda v: f"{v:.1f}x"),
                 ("comm_fraction", "comm", lambda v: f"{v:.1%}"),
+                ("comm_wait_s", "comm wait", lambda v: f"{v * 1e3:.1f} ms"),
+                ("comm_wait_vs_none", "vs none", lambda v: "-" if v is None else f"{v:.2f}x"),
                 ("median_step_s", "median step", lambda v: f"{v * 1e3:.0f} ms"),
             ],
         )

@@ -45,3 +45,15 @@ def test_balance_bench_runs_four_jobs_and_writes_json(tmp_path, cache_dir):
     assert runs["c-dynamic-slow"]["slowdown"][1]["speed"] == 0.5
     assert runs["c-dynamic-slow"]["replans"]  # it re-planned after the cold start
     assert runs["b-cost"]["padding_waste"] < runs["a-static"]["padding_waste"]
+
+
+def test_codecs_bench_kernel_and_training_tables(tmp_path):
+    proc = run_poise("bench", "codecs", "--mbytes", "2", "--repeats", "1", "--warmup", "0", "--kernels", "fp16,sign",
+                     "--codecs", "none,sign", "--steps", "6", "--out", str(tmp_path), timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "vs memcpy" in proc.stdout and "eval acc" in proc.stdout
+    data = json.loads((tmp_path / "codecs.json").read_text())
+    assert [k["codec"] for k in data["kernels"]] == ["fp16", "sign"]
+    runs = {r["codec"]: r for r in data["runs"]}
+    assert runs["none"]["accuracy_delta"] == 0.0
+    assert runs["sign"]["compression_ratio"] > 20

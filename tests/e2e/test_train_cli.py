@@ -153,3 +153,15 @@ def test_train_with_a_gradient_codec(tmp_path, codec, min_ratio):
     assert report["compression_ratio"] >= min_ratio
     assert report["comm_wire_bytes_per_step"] < report["comm_raw_bytes_per_step"]
     assert report["train_loss_last"] < report["train_loss_first"]
+
+
+@pytest.mark.parametrize(("balance", "steps"), [("static", 11), ("cost", None)])
+def test_epochs_mode_runs_whole_epochs(tmp_path, balance, steps):
+    proc = run_poise("train", "--task", "digits", "--nproc", "2", "--epochs", "1", "--batch-size", "64",
+                     "--balance", balance, "--out", str(tmp_path), *QUIET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(tmp_path)
+    if steps is not None:
+        assert report["steps"] == steps  # 1437 samples // 2 ranks // 64 per batch
+    else:  # the balanced sampler covers every sample of the epoch once
+        assert report["loss_curve"][-1][0] == 1437

@@ -4,7 +4,10 @@ the error-feedback identity, state round trips, NaN handling, and the registry's
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -337,3 +340,156 @@ def test_nonfinite_gradient_in_skip_mode_keeps_the_residual_and_sends_nan(name, 
 def test_step_stats_compression_ratio():
     assert StepStats(raw_bytes=1000, wire_bytes=10).compression_ratio == 100.0
     assert StepStats().compression_ratio == 1.0
+
+
+# -- numba kernels against the numpy/torch paths ---------------------------------------------
+
+def _awkward(n: int, seed: int = 0) -> torch.Tensor:
+    """Random entries over many magnitudes, with the values that trip kernels: an all-zero
+    chunk, -0.0, exact rounding ties, subnormals and huge entries."""
+    x = _x(n, seed) * torch.logspace(-3, 3, n) if n else _x(0)
+    special = torch.tensor([0.0, -0.0, 127.0, 0.5, -0.5, 1.5, -2.5, 63.5, 1e-40, -1e-42, 3e38, -3e38])
+    x[: min(n, 40)] = 0.0
+    m = min(max(n - 50, 0), special.numel())
+    x[50: 50 + m] = special[:m]
+    return x
+
+
+@pytest.fixture(params=["one span", "many spans"])
+def numba_kernels(request, monkeypatch):
+    """The kernels module with numba present; 'many spans' cuts even small inputs across threads."""
+    pytest.importorskip("numba")
+    from poise.comm.codecs import kernels
+
+    assert kernels.AVAILABLE
+    if request.param == "many spans":
+        monkeypatch.setattr(kernels, "MIN_SPAN", 64)
+    return kernels
+
+
+def _both_paths(monkeypatch, kernels, fn):
+    """``fn()`` with the numba kernels, then with numba switched off (the fallback path)."""
+    fast = fn()
+    monkeypatch.setattr(kernels, "AVAILABLE", False)
+    slow = fn()
+    monkeypatch.setattr(kernels, "AVAILABLE", True)
+    return fast, slow
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 1023, 1025, 4099, 70_001])
+@pytest.mark.parametrize("chunk_size", [1, 3, 100, 1024])
+def test_int8_numba_kernels_match_the_torch_path_bit_for_bit(n, chunk_size, numba_kernels, monkeypatch):
+    x = _awkward(n)
+
+    def run():
+        codec = codecs.make("int8", chunk_size=chunk_size)
+        encoded = codec.encode(x, key=0)
+        return [t.clone() for t in encoded.tensors], codec.decode(encoded), encoded
+
+    (fast_t, fast_d, _fast_enc), (slow_t, slow_d, slow_enc) = _both_paths(monkeypatch, numba_kernels, run)
+    assert torch.equal(fast_t[0], slow_t[0])  # scales
+    assert torch.equal(fast_t[1], slow_t[1])  # int8 entries
+    assert torch.equal(fast_d, slow_d)
+    # each path decodes the other's payload alike
+    codec = codecs.make("int8", chunk_size=chunk_size)
+    assert torch.equal(codec.decode(slow_enc), fast_d)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_int8_numba_kernels_match_the_torch_path_on_nonfinite_chunks(bad, numba_kernels, monkeypatch):
+    x = _awkward(5000)
+    x[1500] = bad  # chunk 1 of 4 (chunk_size 1024) is poisoned; the others are unaffected
+
+    def run():
+        codec = codecs.make("int8")
+        encoded = codec.encode(x, key=0)
+        return [t.clone() for t in encoded.tensors], codec.decode(encoded)
+
+    (fast_t, fast_d), (slow_t, slow_d) = _both_paths(monkeypatch, numba_kernels, run)
+    torch.testing.assert_close(fast_t[0], slow_t[0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(fast_t[1], slow_t[1])
+    torch.testing.assert_close(fast_d, slow_d, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(fast_d[1024:2048]).all() and torch.isfinite(fast_d[2048:]).all()
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 17, 1000, 4099, 70_001, 70_007])
+def test_sign_numba_kernels_match_the_numpy_path(n, numba_kernels, monkeypatch):
+    x = _awkward(n).clamp(-1e30, 1e30)  # sasum's float32 sum overflows to inf near 3e38
+    x[::3] = -x[::3].abs()
+
+    def run():
+        codec = codecs.make("sign")
+        encoded = codec.encode(x, key=0)
+        return [t.clone() for t in encoded.tensors], codec.decode(encoded), encoded
+
+    (fast_t, fast_d, _fast_enc), (slow_t, _slow_d, slow_enc) = _both_paths(monkeypatch, numba_kernels, run)
+    assert torch.equal(fast_t[1], slow_t[1])  # the packed bits: the same wire format
+    torch.testing.assert_close(fast_t[0], slow_t[0], rtol=2e-6, atol=0)  # scale: float64 vs sasum's float32 sum
+    torch.testing.assert_close(fast_t[0], x.abs().double().mean().float().view(1) if n else torch.zeros(1),
+                               rtol=1e-6, atol=0)
+    # on one payload, both decoders give the same entries bit for bit
+    fast_again, slow_again = _both_paths(monkeypatch, numba_kernels, lambda: codecs.make("sign").decode(slow_enc))
+    assert torch.equal(fast_again, slow_again)
+    assert torch.equal(fast_d, torch.where(x < 0, -fast_t[0], fast_t[0]))
+
+
+def test_sign_numba_kernels_match_the_numpy_path_on_nonfinite_entries(numba_kernels, monkeypatch):
+    x = _awkward(1001)
+    x[[3, 500, 1000]] = torch.tensor([float("nan"), -float("inf"), -float("nan")])
+
+    def run():
+        codec = codecs.make("sign")
+        encoded = codec.encode(x, key=0)
+        return [t.clone() for t in encoded.tensors], codec.decode(encoded)
+
+    (fast_t, fast_d), (slow_t, slow_d) = _both_paths(monkeypatch, numba_kernels, run)
+    assert torch.equal(fast_t[1], slow_t[1])  # NaN < 0 is False: bit clear, in both
+    assert torch.isnan(fast_t[0]).all() and torch.isnan(slow_t[0]).all()
+    assert torch.isnan(fast_d).all() and torch.isnan(slow_d).all()
+
+
+def test_int8_and_sign_work_without_numba():
+    """With numba missing (an import that fails), the codecs take their numpy/torch paths."""
+    script = (
+        "import sys; sys.modules['numba'] = None\n"
+        "import torch\n"
+        "from poise.comm import codecs\n"
+        "from poise.comm.codecs import kernels\n"
+        "assert not kernels.AVAILABLE\n"
+        "x = torch.randn(5001, generator=torch.Generator().manual_seed(0))\n"
+        "for name in ('int8', 'sign'):\n"
+        "    codec = codecs.make(name)\n"
+        "    y = codec.decode(codec.encode(x, key=0))\n"
+        "    assert y.shape == x.shape and torch.isfinite(y).all()\n"
+        "    assert torch.equal(y < 0, x < 0) or name == 'int8'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, 70_001, 300_007])
+@pytest.mark.parametrize("threshold", [0.0, 1.5, 3.0, float("inf")])
+def test_topk_numba_scan_matches_the_numpy_scan(n, threshold, numba_kernels):
+    from poise.comm.codecs.topk import _entries_at_least
+
+    x = _awkward(n, seed=3)
+    x[7: min(n, 9)] = torch.tensor([float("nan"), -float("inf")])[: max(0, min(n, 9) - 7)]
+    xn = x.numpy()
+    want_index, want_values = _entries_at_least(xn, threshold)
+    found = numba_kernels.entries_at_least(xn, threshold, n + 16)
+    assert found is not None
+    assert np.array_equal(found[0], want_index) and np.array_equal(found[1], want_values)
+    if want_index.size:  # more entries than room: None, and the caller scans with numpy
+        assert numba_kernels.entries_at_least(xn, threshold, 0) is None
+
+
+@pytest.mark.parametrize("n", [70_001, 300_007])
+def test_topk_numba_path_keeps_the_same_entries(n, numba_kernels, monkeypatch):
+    x = _x(n, seed=4)
+
+    def run():
+        codec = codecs.make("topk", ratio=0.01)
+        return [t.clone() for t in codec.encode(x, key=0).tensors]
+
+    fast, slow = _both_paths(monkeypatch, numba_kernels, run)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))

@@ -16,6 +16,10 @@ cache, with BLAS ``sasum`` when scipy is there (torch's ``vector_norm(x, 1)`` ov
 tensor costs about three times as much). Decoding
 looks each byte up in a 256 x 8 table of ``±scale``. Other devices and dtypes use plain torch
 ops (slower, same result).
+
+With numba (``kernels.py``), CPU float32 takes fused kernels instead: encode packs the bits
+and sums |x| (in float64) in one pass over memory; decode writes each entry once from its bit.
+The payload bits are the same; the scale may differ from sasum's float32 sum in the last bits.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from poise.comm.codecs import kernels
 from poise.comm.codecs.base import Codec, Encoded, flat, output, parallel_blocks
 
 # Entries per block of the CPU loops: a multiple of 8 (whole bytes); 256 KiB of fp32 stays in L2.
@@ -63,7 +68,9 @@ class SignCodec(Codec):
         if n == 0:
             scale.zero_()
         else:
-            if src.device.type == "cpu" and src.dtype == torch.float32:
+            if src.device.type == "cpu" and src.dtype == torch.float32 and kernels.enabled():
+                l1 = kernels.sign_encode(src.numpy(), packed.numpy())
+            elif src.device.type == "cpu" and src.dtype == torch.float32:
                 l1 = _pack_signs_numpy(src.numpy(), packed.numpy())
             else:
                 _pack_signs_torch(src, packed)
@@ -80,6 +87,10 @@ class SignCodec(Codec):
         dst = output(out, encoded, packed.device)
         n = encoded.numel
         if n == 0:
+            return dst.view(encoded.shape)
+        if (dst.device.type == "cpu" and dst.dtype == torch.float32 and packed.device.type == "cpu"
+                and packed.is_contiguous() and kernels.enabled()):
+            kernels.sign_decode(packed.numpy(), scale.numpy()[0], dst.numpy())
             return dst.view(encoded.shape)
         s = scale.to(dst.dtype)
         table = torch.where(_BITS.to(packed.device), -s, s)  # 256 x 8: each byte's 8 values

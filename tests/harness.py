@@ -11,6 +11,7 @@ still running at the deadline is killed and the test fails naming the ranks stil
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -37,8 +38,12 @@ def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
         # Tear down together: a rank destroying gloo while its peer still talks to it can
         # abort the peer ("terminate called without an active exception").
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # mp.spawn reports it to the parent with the traceback
+    dist.destroy_process_group()
+    # Skip C++ static destructors: a gloo thread alive then can abort a finished rank.
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:

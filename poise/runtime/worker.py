@@ -211,4 +211,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written (atomically, fsync'd) and the process group is gone. Leave without
+    # running C++ static destructors: with gloo, a background thread still alive at that point
+    # intermittently aborts the process ("terminate called without an active exception"),
+    # which would turn a finished job into a failed one.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

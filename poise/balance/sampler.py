@@ -193,8 +193,10 @@ class BalancedBatchSampler(_EpochSampler):
             keep = [self.cost_fn(self.lengths[self._plan.members(j)]).sum() >= 0.5 * self.batch_cost
                     for j in self._plan.order]
             self._plan.order = self._plan.order[np.asarray(keep, dtype=bool)]
-        self._steps = self._plan.order  # one entry per step, for len()
         self._splits: dict[int, list[np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return len(self._plan.order)
 
     def set_cost_fn(self, cost_fn: CostFn) -> None:
         """A new cost function: used to split the next step, and to group steps from the next epoch."""

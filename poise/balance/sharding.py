@@ -169,6 +169,7 @@ def take_step(
     left = range(-max_shift, max_shift + 1) if movable(j - 1) else range(1)
     right = range(-max_shift, max_shift + 1) if movable(j + 1) else range(1)
     best: tuple[float, int, int, int] | None = None
+    best_split: StepSplit | None = None
     for dl in left:
         for dr in right:
             lo, hi = b[j] + dl, b[j + 1] + dr
@@ -178,16 +179,16 @@ def take_step(
                 continue
             if dr and b[j + 2] - hi < num_ranks:
                 continue
-            score = balance(split_step(plan.stream[lo:hi], lengths, cost_fn, speeds).predicted_s)
-            key = (-score, abs(dl) + abs(dr), dl, dr)
+            split = split_step(plan.stream[lo:hi], lengths, cost_fn, speeds)
+            key = (-balance(split.predicted_s), abs(dl) + abs(dr), dl, dr)
             if best is None or key < best:
-                best = key
-    assert best is not None  # (0, 0) is always a candidate
+                best, best_split = key, split
+    assert best is not None and best_split is not None  # (0, 0) is always a candidate
     _, _, dl, dr = best
     b[j] += dl
     b[j + 1] += dr
     plan.taken += 1
-    return split_step(plan.members(j), lengths, cost_fn, speeds)
+    return best_split
 
 
 @dataclass(frozen=True)

@@ -90,11 +90,6 @@ def instrumented(hook: CommHook, probe: BucketProbe) -> CommHook:
     return timed_hook
 
 
-def allreduce_hook() -> CommHook:
-    """The baseline: torch's own averaging all-reduce hook (what DDP does with no hook)."""
-    return default_hooks.allreduce_hook
-
-
 # -- the compression adapter -----------------------------------------------------------------
 
 

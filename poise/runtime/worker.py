@@ -156,12 +156,13 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     dist.all_gather_object(slowdowns, {"speed": slowdown.speed, "method": slowdown.method})
     if not ctx.is_main:
         return None
+    table = timeline.table()
     report = {
         "task": task.name,
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "wall_s": time.perf_counter() - started,
-        **report_mod.summarize(timeline.table(), loss_scale=task.loss_in_unit(1.0)),
+        **report_mod.summarize(table, loss_scale=task.loss_in_unit(1.0)),
         "loss_unit": result.unit,
         "eval_loss": result.loss,
         "eval_accuracy": result.accuracy,
@@ -172,7 +173,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed
         "config": config_mod.to_dict(config),
     }
-    write_outputs(Path(config.out_dir), report, timeline, plot=config.diagnostics.plot)
+    write_outputs(Path(config.out_dir), report, table, plot=config.diagnostics.plot)
     log.info(
         "done: eval loss %.4f %s, accuracy %.2f%%, %.1f samples/s, balance %.3f",
         result.loss, result.unit, 100 * result.accuracy, report["throughput_samples_per_s"], report["balance"],
@@ -180,9 +181,8 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     return report
 
 
-def write_outputs(out: Path, report: dict, timeline: Timeline, *, plot: bool) -> None:
-    """Rank 0: report.json, trace.json and (optionally) timeline.png, each written whole."""
-    table = timeline.table()
+def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> None:
+    """Rank 0: report.json, trace.json and (optionally) timeline.png from the gathered ``table``."""
     write_json_atomic(out / "report.json", report)
     write_chrome_trace(table, out / "trace.json")
     if plot:

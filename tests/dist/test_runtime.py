@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from poise import config as cfg
-from poise.comm.hooks import BucketProbe, allreduce_hook, instrumented
+from poise.comm.hooks import BucketProbe, instrumented
 from poise.diagnostics.timeline import FIELDS, StepRecord, Timeline
 from poise.runtime.dist import DistContext, check_config_agreement
 from tests.harness import run_ranks
@@ -38,7 +39,7 @@ def _hooked_grads(rank: int, world_size: int) -> dict:
         ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.005)
         probe = BucketProbe()
         if name == "probed":
-            ddp.register_comm_hook(None, instrumented(allreduce_hook(), probe))
+            ddp.register_comm_hook(None, instrumented(default_hooks.allreduce_hook, probe))
         for _ in range(2):  # DDP rebuilds buckets after the first step
             ddp.zero_grad()
             probe.reset()

@@ -31,6 +31,8 @@ BALANCE_STRATEGIES = ("static", "cost", "dynamic")
 # Gradient codecs (poise.comm.codecs.CODECS) plus torch's own hooks, for comparison.
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16", "torch-powersgd")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
+# names of poise.comm.collectives.COLLECTIVES (kept here so the config does not import torch.distributed)
+COLLECTIVE_NAMES = ("flat", "ring", "tree", "hierarchical", "auto")
 MAX_LOCAL_WORKERS = 64
 
 
@@ -210,6 +212,12 @@ class CommConfig:
     int8_chunk_size: int = _field(1024, "int8: entries per scale (one fp32 scale per chunk)")
     start_step: int = _field(2, "steps run uncompressed first (DDP rebuilds buckets after step 1)")
     on_nonfinite: str = _field("error", "NaN/Inf in a gradient: 'error' stops, 'skip' skips the step and logs")
+    collective: str = _field(
+        "flat", f"all-reduce algorithm: {', '.join(COLLECTIVE_NAMES)} (flat = the backend's own; hierarchical "
+        "compresses only between nodes; auto: see poise/comm/collectives.py)"
+    )
+    ring_segment_bytes: int = _field(1 << 20, "ring: pipeline segment, in bytes")
+    tree_max_bytes: int = _field(64 << 10, "auto: messages up to this many bytes use the tree (recursive doubling)")
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_NAMES:
@@ -222,6 +230,17 @@ class CommConfig:
             raise ValueError(f"comm.start_step={self.start_step} must be >= 0")
         if self.on_nonfinite not in ("error", "skip"):
             raise ValueError(f"comm.on_nonfinite={self.on_nonfinite!r} is unknown: allowed are error, skip")
+        if self.collective not in COLLECTIVE_NAMES:
+            raise ValueError(
+                f"comm.collective={self.collective!r} is unknown: allowed are {', '.join(COLLECTIVE_NAMES)}"
+            )
+        if self.collective != "flat" and self.codec.startswith("torch-"):
+            raise ValueError(
+                f"comm.collective={self.collective!r} cannot carry torch's own hook {self.codec!r}: "
+                "use a poise codec or comm.collective=flat"
+            )
+        _positive("comm", "ring_segment_bytes", self.ring_segment_bytes, allow_none=False)
+        _positive("comm", "tree_max_bytes", self.tree_max_bytes, allow_none=False)
 
 
 @dataclass(frozen=True, kw_only=True)

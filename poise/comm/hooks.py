@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from poise.comm import codecs
+from poise.comm import codecs, collectives
 from poise.comm.codecs import Codec, ErrorFeedback
 from poise.comm.codecs.cast import IdentityCodec
-from poise.comm.reducers import AllReduceReducer, Counters, StepStats, make_reducer
+from poise.comm.collectives import Collective, Hierarchical, Topology
+from poise.comm.reducers import AllReduceReducer, Counters, Reducer, StepStats, make_reducer
 from poise.config import CODEC_NAMES, CommConfig
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,15 @@ class HookState:
         step: steps seen so far (a step ends with DDP's last bucket).
         weight: this rank's factor for the next reductions; None (default) averages like DDP.
             Set it to the rank's share ``w_r`` to get ``sum_r w_r g_r`` instead.
+        collective: the all-reduce algorithm (None: flat, the backend's own). With a
+            hierarchical one (or ``auto`` on several nodes, which is hierarchical there), the
+            codec compresses only the inter-node step, at each node's leader: ranks sum their
+            gradients uncompressed inside the node, leaders exchange encoded node sums
+            (their bytes are counted in ``inter_node_counters``).
     """
 
-    def __init__(self, codec: Codec, *, process_group: dist.ProcessGroup | None = None, start_step: int = 2) -> None:
+    def __init__(self, codec: Codec, *, process_group: dist.ProcessGroup | None = None, start_step: int = 2,
+                 collective: Collective | None = None) -> None:
         if start_step < 0:
             raise ValueError(f"start_step={start_step} must be >= 0")
         self.codec = codec
@@ -112,8 +119,17 @@ class HookState:
         self.step = 0
         self.weight: float | None = None
         self.counters = Counters()
-        self.reducer = make_reducer(codec, process_group, self.counters)
-        self.uncompressed = AllReduceReducer(IdentityCodec(), process_group, self.counters)
+        self.inter_node_counters = Counters()
+        self.reducer = self._reducer(codec, process_group, collective)
+        self.uncompressed = AllReduceReducer(IdentityCodec(), process_group, self.counters, collective)
+
+    def _reducer(self, codec: Codec, group: dist.ProcessGroup | None, collective: Collective | None) -> Reducer:
+        hierarchical = collective if isinstance(collective, Hierarchical) else getattr(collective, "hierarchical", None)
+        if hierarchical is None or isinstance(codec, IdentityCodec):
+            return make_reducer(codec, group, self.counters, collective)
+        topology = hierarchical.topology
+        inter = make_reducer(codec, topology.leader_group, self.inter_node_counters) if topology.is_leader else None
+        return AllReduceReducer(IdentityCodec(), group, self.counters, hierarchical.with_inter_node(inter))
 
     def step_stats(self) -> StepStats:
         """Bytes and seconds since the last :meth:`reset_step` (read after ``backward()``)."""
@@ -122,6 +138,7 @@ class HookState:
     def reset_step(self) -> None:
         """Zero the counters; call before each step's ``backward()``."""
         self.counters.reset()
+        self.inter_node_counters.reset()
 
     def state_dict(self) -> dict[str, Any]:
         """Step count and codec state (residuals, warm starts); no process group."""
@@ -143,30 +160,32 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
 
 def make_state(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step: int = 2,
                on_nonfinite: str = "error", process_group: dist.ProcessGroup | None = None,
-               **options: Any) -> HookState:
+               collective: Collective | None = None, **options: Any) -> HookState:
     """A :class:`HookState` for ``codec`` (a name from ``codecs.CODECS`` with ``options``, or
     a codec object), wrapped in error feedback unless ``error_feedback`` is False or the
-    codec is ``none``."""
+    codec is ``none``, reducing through ``collective`` (None: flat)."""
     if isinstance(codec, str):
         codec = codecs.make(codec, **options)
     elif options:
         raise ValueError(f"options {sorted(options)} apply to codec names, not to a codec object")
     if error_feedback and not isinstance(codec, (ErrorFeedback, IdentityCodec)):
         codec = ErrorFeedback(codec, on_nonfinite=on_nonfinite)
-    return HookState(codec, process_group=process_group, start_step=start_step)
+    return HookState(codec, process_group=process_group, start_step=start_step, collective=collective)
 
 
 def hook(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step: int = 2,
-         on_nonfinite: str = "error", process_group: dist.ProcessGroup | None = None, **options: Any) -> CommHook:
+         on_nonfinite: str = "error", process_group: dist.ProcessGroup | None = None,
+         collective: Collective | None = None, **options: Any) -> CommHook:
     """A ready-to-register DDP comm hook that compresses gradients with ``codec``.
 
     Register it with ``ddp.register_comm_hook(None, h)``; it carries its own state as
     ``h.state`` (a :class:`HookState`: ``h.state.step_stats()``, ``h.state.weight``).
     Arguments are those of :func:`make_state`; ``options`` go to the codec (``ratio``,
-    ``rank``, ``chunk_size``, ...).
+    ``rank``, ``chunk_size``, ...). ``collective``: an algorithm from
+    ``poise.comm.collectives.make(name)`` (None: the backend's own all-reduce).
     """
     state = make_state(codec, error_feedback=error_feedback, start_step=start_step, on_nonfinite=on_nonfinite,
-                       process_group=process_group, **options)
+                       process_group=process_group, collective=collective, **options)
 
     def poise_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return compressed_hook(state, bucket)
@@ -268,8 +287,13 @@ _CODEC_OPTIONS: dict[str, Callable[[CommConfig], dict[str, Any]]] = {
 _BACKENDS = ("gloo", "nccl")
 
 
-def build(config: CommConfig, process_group: dist.ProcessGroup | None = None) -> tuple[CommHook, Any]:
+def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
+          topology: Topology | None = None) -> tuple[CommHook, Any]:
     """``(hook, state)`` for ``ddp.register_comm_hook(state, hook)``, from ``config``.
+
+    ``config.collective`` picks the algorithm (``poise.comm.collectives``); every value but
+    ``flat`` discovers the node layout and creates process groups (a collective call: every
+    rank must call ``build`` at the same point), unless ``topology`` is given.
 
     - ``none``: the uncompressed averaging all-reduce, bit-identical to plain DDP (the same
       ``div_`` then sum that torch's ``allreduce_hook`` does), with poise's counters and weights.
@@ -286,9 +310,15 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None) ->
     if config.codec in TORCH_HOOKS:
         return TORCH_HOOKS[config.codec](config, process_group)
     options = _CODEC_OPTIONS.get(config.codec, lambda _: {})(config)
+    collective = None
+    if config.collective != "flat":
+        collective = collectives.make(config.collective, process_group, topology=topology,
+                                      segment_bytes=config.ring_segment_bytes, small_bytes=config.tree_max_bytes)
     state = make_state(config.codec, error_feedback=config.error_feedback, start_step=config.start_step,
-                       on_nonfinite=config.on_nonfinite, process_group=process_group, **options)
-    log.info("comm hook: %r, uncompressed for the first %d steps", state.codec, state.start_step)
+                       on_nonfinite=config.on_nonfinite, process_group=process_group, collective=collective,
+                       **options)
+    log.info("comm hook: %r over %r, uncompressed for the first %d steps", state.codec,
+             collective or "flat", state.start_step)
     return compressed_hook, state
 
 

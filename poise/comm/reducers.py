@@ -13,6 +13,11 @@ fp16 payloads in range. The strategy follows from the codec, never from a flag
    buffer per rank, all-gathered, and each rank decodes and sums them locally.
 3. :class:`LowRankReducer`: PowerSGD's two all-reduce rounds (P, then Q).
 
+Every reducer moves its payloads through a :class:`~poise.comm.collectives.Collective`
+(``collective=``; default :class:`~poise.comm.collectives.Flat`, the backend's own
+all-reduce and all-gather on ``group``), so each codec runs over ring, tree or hierarchical
+algorithms too. (:class:`LowRankReducer` keeps the backend's all-reduce.)
+
 Threading: collectives are launched in the caller's thread, in call order (DDP calls a hook
 per bucket in the same order on every rank), with ``async_op=True``. PowerSGD waits for round 1
 in the caller's thread, never in a future callback. Callbacks only decode locally. torch's own
@@ -35,11 +40,10 @@ from poise.comm.codecs import Codec, Encoded, ErrorFeedback
 from poise.comm.codecs.base import Buffers
 from poise.comm.codecs.cast import IdentityCodec
 from poise.comm.codecs.lowrank import PowerSGDCodec
+from poise.comm.collectives import Collective, Flat
 
 Future = torch.futures.Future
 
-# all_gather_single is the new name (torch >= 2.10); all_gather_into_tensor warns there.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _ALIGN_BYTES = 8  # each rank's packed payload is padded to this, so every part stays aligned
 
 
@@ -97,11 +101,14 @@ class Reducer(abc.ABC):
         codec: the codec (possibly wrapped in :class:`ErrorFeedback`).
         group: the process group (None: the default group).
         counters: where bytes and seconds are added (a private one if None).
+        collective: the algorithm that moves the payloads (None: the backend's own on ``group``).
     """
 
-    def __init__(self, codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None) -> None:
+    def __init__(self, codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None,
+                 collective: Collective | None = None) -> None:
         self.codec = codec
         self.group = group
+        self.collective = collective if collective is not None else Flat(group)
         self.counters = counters if counters is not None else Counters()
         self._buffers = Buffers()
 
@@ -139,16 +146,16 @@ class AllReduceReducer(Reducer):
         (payload,) = encoded.tensors
         self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=self.codec.nbytes(encoded),
                           encode_s=time.perf_counter() - start, buckets=1)
-        work = dist.all_reduce(payload, group=self.group, async_op=True)
+        summed = self.collective.all_reduce(payload, key=key)
 
-        def decode(fut: Future[list[torch.Tensor]]) -> torch.Tensor:
+        def decode(fut: Future[torch.Tensor]) -> torch.Tensor:
             fut.wait()  # re-raises a failed collective
             t0 = time.perf_counter()
             out = self.codec.decode(encoded, out=tensor)  # the payload now holds the sum
             self.counters.add(decode_s=time.perf_counter() - t0)
             return out
 
-        return work.get_future().then(decode)
+        return summed.then(decode)
 
 
 class AllGatherReducer(Reducer):
@@ -163,9 +170,9 @@ class AllGatherReducer(Reducer):
         _pack(encoded.tensors, send)
         recv = self._buffers.get(key, "recv", (chunk * self.world_size,), torch.uint8, tensor.device)
         self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=chunk, encode_s=time.perf_counter() - start, buckets=1)
-        work = _all_gather(recv, send, group=self.group, async_op=True)
+        gathered = self.collective.all_gather(recv, send)
 
-        def decode(fut: Future[list[torch.Tensor]]) -> torch.Tensor:
+        def decode(fut: Future[torch.Tensor]) -> torch.Tensor:
             fut.wait()
             t0 = time.perf_counter()
             ranks = [_unpack(encoded, recv[r * chunk: (r + 1) * chunk]) for r in range(self.world_size)]
@@ -173,7 +180,7 @@ class AllGatherReducer(Reducer):
             self.counters.add(decode_s=time.perf_counter() - t0)
             return out
 
-        return work.get_future().then(decode)
+        return gathered.then(decode)
 
 
 class LowRankReducer(Reducer):
@@ -228,14 +235,18 @@ class LowRankReducer(Reducer):
         return work.get_future().then(decode)
 
 
-def make_reducer(codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None) -> Reducer:
-    """The reducer a codec needs: low-rank for PowerSGD, all-reduce if summable, else all-gather."""
+def make_reducer(codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None,
+                 collective: Collective | None = None) -> Reducer:
+    """The reducer a codec needs: low-rank for PowerSGD, all-reduce if summable, else all-gather.
+
+    ``collective`` moves the payloads of the all-reduce and all-gather paths (None: flat).
+    """
     inner = codec.codec if isinstance(codec, ErrorFeedback) else codec
     if isinstance(inner, PowerSGDCodec):
         return LowRankReducer(codec, group, counters)
     if codec.summable:
-        return AllReduceReducer(codec, group, counters)
-    return AllGatherReducer(codec, group, counters)
+        return AllReduceReducer(codec, group, counters, collective)
+    return AllGatherReducer(codec, group, counters, collective)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,10 +1,7 @@
 """``poise train``: resolve the config, record it, and launch workers with torch's elastic launcher.
 
-The launcher is torch.distributed.run (the code behind ``torchrun``), called in-process with
-the same arguments a user would type: standalone rendezvous on one machine, or
-``--nnodes/--node-rank/--rdzv-endpoint`` for multi-node jobs. Every worker runs
-:mod:`poise.runtime.worker` on the resolved ``config.toml``. When a worker fails, the
-launcher stops the others and we exit non-zero naming the failed rank and its error.
+Every worker runs :mod:`poise.runtime.worker` on the resolved ``config.toml``, started by
+:func:`poise.cli.launch.launch` (torch.distributed.run, in-process).
 """
 
 from __future__ import annotations
@@ -12,14 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from poise import config as cfg
 from poise.cli.flags import add_config_flags, resolve
+from poise.cli.launch import launch
 from poise.log import make_console
 
 log = logging.getLogger(__name__)
@@ -36,56 +32,6 @@ def default_out_dir() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
 
-def launcher_args(config: cfg.RunConfig, config_path: Path) -> list[str]:
-    """torchrun arguments for this config (what a user would type after ``torchrun``)."""
-    d = config.dist
-    args = [f"--nproc-per-node={d.nproc}", f"--nnodes={d.nnodes}", "--max-restarts=0", "--monitor-interval=0.5"]
-    if d.rdzv_endpoint:
-        args += [f"--rdzv-backend={d.rdzv_backend}", f"--rdzv-endpoint={d.rdzv_endpoint}", f"--rdzv-id={d.rdzv_id}"]
-        if d.node_rank is not None:
-            args.append(f"--node-rank={d.node_rank}")
-    elif d.nnodes != "1":
-        raise ValueError(f"dist.nnodes={d.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
-    else:
-        args.append("--standalone")
-    return [*args, "-m", "poise.runtime.worker", "--config", str(config_path)]
-
-
-def launch(config: cfg.RunConfig, config_path: Path) -> int:
-    """Run the workers through torch.distributed.run; returns 0 or 1 (a worker failed)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as elastic_run
-
-    # torchrun would force 1 thread per worker and warn; the worker sets its own count.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    argv = launcher_args(config, config_path)
-    log.info("launching: torchrun %s", " ".join(argv))
-    try:
-        elastic_run(get_args_parser().parse_args(argv))
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        sys.stderr.write(
-            f"poise train: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
-        )
-        return 1
-    return 0
-
-
-def _error_line(message: object) -> str:
-    """The exception line from a torchelastic failure message (a JSON error record when the
-    worker used ``@record``, plain text otherwise)."""
-    if isinstance(message, str):
-        try:
-            message = json.loads(message)
-        except ValueError:
-            pass
-    if isinstance(message, dict):
-        message = message.get("message", message)
-    text = str(message).strip()
-    return text.splitlines()[0] if text else "(no message)"
-
-
 def run(args: argparse.Namespace) -> int:
     config = resolve(args)
     # Absolute, so workers started from another directory (or node) write to the same place.
@@ -94,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(config.out_dir)
     config_path = cfg.save(config, out / "config.toml")
     log.info("resolved config written to %s", config_path)
-    code = launch(config, config_path.resolve())
+    code = launch(config.dist, "poise.runtime.worker", ["--config", str(config_path.resolve())], "poise train")
     report_path = out / "report.json"
     if code == 0 and report_path.exists():
         _show_summary(report_path)

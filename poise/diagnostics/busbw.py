@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 HELP = "time, algbw and busbw of all-reduce, all-gather, reduce-scatter, broadcast and poise's algorithms"
 
+# the *_single names are torch >= 2.10's; the older ones warn there
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 BACKEND_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 POISE_OPS = ("poise-flat", "poise-ring", "poise-tree", "poise-hierarchical")
 OPS = BACKEND_OPS + POISE_OPS
@@ -128,9 +131,8 @@ def _prepare(op: str, size_bytes: int, world_size: int, device: torch.device,
         small = torch.ones(per_rank, device=device)
         big = torch.ones(per_rank * world_size, device=device)
         if op == "all_gather":
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            return lambda: gather(big, small), big.numel() * 4
-        return lambda: dist.reduce_scatter_tensor(small, big), big.numel() * 4
+            return lambda: _all_gather(big, small), big.numel() * 4
+        return lambda: _reduce_scatter(small, big), big.numel() * 4
     x = torch.full((max(1, size_bytes // 4),), float(rank + 1), device=device)
     if op == "all_reduce":
         return lambda: dist.all_reduce(x), x.numel() * 4

@@ -128,12 +128,20 @@ class HookState:
         if hierarchical is None or isinstance(codec, IdentityCodec):
             return make_reducer(codec, group, self.counters, collective)
         topology = hierarchical.topology
+        if topology.layout.num_nodes == 1:
+            log.warning("comm.codec=%s has no effect: hierarchical reduction compresses only between nodes, "
+                        "and this job runs on one node", codec.name)
         inter = make_reducer(codec, topology.leader_group, self.inter_node_counters) if topology.is_leader else None
         return AllReduceReducer(IdentityCodec(), group, self.counters, hierarchical.with_inter_node(inter))
 
     def step_stats(self) -> StepStats:
         """Bytes and seconds since the last :meth:`reset_step` (read after ``backward()``)."""
         return self.counters.snapshot()
+
+    def inter_node_stats(self) -> StepStats:
+        """This rank's compressed inter-node traffic since :meth:`reset_step` (leaders of a
+        hierarchical collective with a codec; zero elsewhere)."""
+        return self.inter_node_counters.snapshot()
 
     def reset_step(self) -> None:
         """Zero the counters; call before each step's ``backward()``."""

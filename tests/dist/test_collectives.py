@@ -125,8 +125,9 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 2))
 
 
-def _train(rank: int, config: CommConfig | None, topology: Topology) -> list[torch.Tensor]:
+def _train(rank: int, config: CommConfig | None, topology: Topology, stats: dict | None = None) -> list[torch.Tensor]:
     ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.002)  # several buckets
+    state = None
     if config is not None:
         hook, state = build(config, topology=topology)
         ddp.register_comm_hook(state, hook)
@@ -134,9 +135,13 @@ def _train(rank: int, config: CommConfig | None, topology: Topology) -> list[tor
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(4):
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 2, generator=g)
+        if state is not None:
+            state.reset_step()
         opt.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+    if stats is not None:
+        stats.update(raw=state.step_stats().raw_bytes, inter_node_wire=state.inter_node_stats().wire_bytes)
     return [p.detach().clone() for p in ddp.parameters()]
 
 
@@ -159,9 +164,12 @@ def _two_nodes(rank: int, world_size: int) -> dict:
     out["ddp"] = {"plain": _train(rank, None, topology)}
     for name in COLLECTIVE_NAMES:
         out["ddp"][name] = _train(rank, CommConfig(collective=name), topology)
+    out["stats"] = {}
     for codec in ("fp16", "topk", "powersgd"):
+        out["stats"][codec] = {}
         out["ddp"][f"hierarchical+{codec}"] = _train(
-            rank, CommConfig(collective="hierarchical", codec=codec, topk_ratio=0.2, start_step=1), topology)
+            rank, CommConfig(collective="hierarchical", codec=codec, topk_ratio=0.2, start_step=1), topology,
+            out["stats"][codec])
     topology.close()
     return out
 
@@ -186,6 +194,12 @@ def test_hierarchical_with_a_codec_and_ddp_on_two_nodes_of_two_ranks():
             assert torch.equal(got, results[0]["hier"][name]), name
         assert (r["residual_norm"] is not None) == r["is_leader"]
     assert results[0]["residual_norm"] > 0  # top-k at 10% of a dense matrix leaves a residual
+    for r in results:  # only leaders send between nodes, and less than the gradient
+        for codec, stats in r["stats"].items():
+            if r["is_leader"]:
+                assert 0 < stats["inter_node_wire"] < stats["raw"], codec
+            else:
+                assert stats["inter_node_wire"] == 0, codec
     initial = list(_model().parameters())
     for name, params in results[0]["ddp"].items():
         assert any(not torch.equal(p, q) for p, q in zip(params, initial, strict=True)), name

@@ -216,7 +216,7 @@ class CommConfig:
         "flat", f"all-reduce algorithm: {', '.join(COLLECTIVE_NAMES)} (flat = the backend's own; hierarchical "
         "compresses only between nodes; auto: see poise/comm/collectives.py)"
     )
-    ring_segment_bytes: int = _field(1 << 20, "ring: pipeline segment, in bytes")
+    segment_bytes: int = _field(1 << 20, "ring and hierarchical: pipeline segment, in bytes")
     tree_max_bytes: int = _field(64 << 10, "auto: messages up to this many bytes use the tree (recursive doubling)")
 
     def __post_init__(self) -> None:
@@ -239,7 +239,7 @@ class CommConfig:
                 f"comm.collective={self.collective!r} cannot carry torch's own hook {self.codec!r}: "
                 "use a poise codec or comm.collective=flat"
             )
-        _positive("comm", "ring_segment_bytes", self.ring_segment_bytes, allow_none=False)
+        _positive("comm", "segment_bytes", self.segment_bytes, allow_none=False)
         _positive("comm", "tree_max_bytes", self.tree_max_bytes, allow_none=False)
 
 

@@ -17,7 +17,7 @@ ranks, ``S`` bytes, link latency ``a`` (seconds) and time per byte ``b`` (second
   the end (two more steps).
 - :class:`Hierarchical`: sum inside each node onto its leader over a local group, all-reduce
   among one leader per node (optionally through any codec, with error feedback at the
-  leader), broadcast inside the node. Only ``S`` bytes per *node* cross the slow inter-node
+  leader), broadcast inside the node, pipelined over segments. Only ``S`` bytes per *node* cross the slow inter-node
   links instead of ``S`` per rank. Node membership comes from torchrun's ``GROUP_RANK`` and
   ``LOCAL_RANK``, gathered from every rank (:class:`Topology`).
 - :class:`Auto`: chooses per message (the rule is in its docstring).
@@ -491,6 +491,11 @@ class Tree(_ThreadedCollective):
 class Hierarchical(_ThreadedCollective):
     """Sum onto each node's leader, all-reduce among leaders, broadcast inside each node.
 
+    Uncompressed, the three phases are pipelined over segments: while segment ``i`` crosses
+    between nodes, segment ``i + 1`` is being summed inside the node and segment ``i - 1``
+    broadcast, so the slow inter-node step hides the fast local ones. With a codec the whole
+    tensor is encoded at once (a codec's choices, such as top-k's, are over the whole bucket).
+
     Args:
         topology: node layout, groups and thread (see :class:`Topology`).
         inter_node: how leaders sum the node totals: None for the backend's all-reduce over the
@@ -498,32 +503,68 @@ class Hierarchical(_ThreadedCollective):
             topology.leader_group)``) to compress the inter-node step; its error feedback then
             lives at the leader, and its result is ``sum over nodes of decode(encode(node
             sum))`` for a summable codec.
+        segment_bytes: pipeline segment of the uncompressed path, bytes.
     """
 
     name: ClassVar[str] = "hierarchical"
 
-    def __init__(self, topology: Topology, inter_node: Reducer | None = None) -> None:
+    def __init__(self, topology: Topology, inter_node: Reducer | None = None,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
         super().__init__(topology)
+        if segment_bytes <= 0:
+            raise ValueError(f"segment_bytes={segment_bytes} must be positive")
         self.inter_node = inter_node
+        self.segment_bytes = segment_bytes
 
     def with_inter_node(self, inter_node: Reducer | None) -> Hierarchical:
-        """The same topology (groups, thread) with another inter-node step."""
-        return Hierarchical(self.topology, inter_node)
+        """The same topology (groups, thread) and segments with another inter-node step."""
+        return Hierarchical(self.topology, inter_node, self.segment_bytes)
 
     def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
-        topo = self.topology
         if tensor.numel() == 0:
             return tensor
-        leader = topo.node_ranks[0]
-        local = len(topo.node_ranks) > 1
+        if self.inter_node is not None:
+            return self._all_reduce_compressed(tensor, key)
+        topo = self.topology
+        flat = tensor.view(-1)
+        per = max(1, self.segment_bytes // flat.element_size())
+        segments = [flat[lo:lo + per] for lo in range(0, flat.numel(), per)]
+        leader, local = topo.node_ranks[0], len(topo.node_ranks) > 1
+        across = topo.is_leader and topo.layout.num_nodes > 1
+        # Every member of a node posts its local operations in one order: all reduces, then
+        # the broadcasts in segment order (the leader's inter-node ones go to another group).
+        reduced = [dist.reduce(s, dst=leader, group=topo.local_group, async_op=True) if local else None
+                   for s in segments]
+        crossing: list[Any] = []
+        broadcasts = []
+        for i, segment in enumerate(segments):
+            if reduced[i] is not None:
+                reduced[i].wait()
+            crossing.append(dist.all_reduce(segment, group=topo.leader_group, async_op=True) if across else None)
+            if i > 0:
+                broadcasts.append(self._broadcast(segments[i - 1], crossing[i - 1], leader, local))
+        broadcasts.append(self._broadcast(segments[-1], crossing[-1], leader, local))
+        for work in broadcasts:
+            if work is not None:
+                work.wait()
+        return tensor
+
+    def _broadcast(self, segment: torch.Tensor, crossing: Any, leader: int, local: bool) -> Any:
+        """Once ``segment`` has crossed between nodes, start broadcasting it inside the node."""
+        if crossing is not None:
+            crossing.wait()
+        if not local:
+            return None
+        return dist.broadcast(segment, src=leader, group=self.topology.local_group, async_op=True)
+
+    def _all_reduce_compressed(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
+        topo = self.topology
+        leader, local = topo.node_ranks[0], len(topo.node_ranks) > 1
         if local:
             dist.reduce(tensor, dst=leader, group=topo.local_group)
         if topo.is_leader and topo.layout.num_nodes > 1:
-            if self.inter_node is None:
-                dist.all_reduce(tensor, group=topo.leader_group)
-            else:
-                # waited for here, on the communication thread, never in a callback
-                self.inter_node.reduce(tensor.view(-1), key=key, weight=1.0).wait()
+            # waited for here, on the communication thread, never in a callback
+            self.inter_node.reduce(tensor.view(-1), key=key, weight=1.0).wait()
         if local:
             dist.broadcast(tensor, src=leader, group=topo.local_group)
         return tensor
@@ -576,14 +617,15 @@ class Auto(Collective):
 
     name: ClassVar[str] = "auto"
 
-    def __init__(self, topology: Topology, small_bytes: int = DEFAULT_SMALL_BYTES) -> None:
+    def __init__(self, topology: Topology, small_bytes: int = DEFAULT_SMALL_BYTES,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
         self.topology = topology
         self.small_bytes = small_bytes
         self.flat = Flat()
         self.tree = Tree(topology)
         layout = topology.layout
-        self.hierarchical = (Hierarchical(topology) if layout.num_nodes > 1 and layout.max_ranks_per_node > 1
-                             else None)
+        self.hierarchical = (Hierarchical(topology, segment_bytes=segment_bytes)
+                             if layout.num_nodes > 1 and layout.max_ranks_per_node > 1 else None)
 
     @property
     def world_size(self) -> int:
@@ -622,7 +664,8 @@ def make(name: str, group: dist.ProcessGroup | None = None, *, topology: Topolog
             group only (their process groups are made from it).
         topology: shared groups and thread; discovered (a collective call on every rank) if
             None and the algorithm needs one.
-        segment_bytes: ring pipeline segment, bytes. small_bytes: auto's tree threshold, bytes.
+        segment_bytes: ring and hierarchical pipeline segment, bytes. small_bytes: auto's tree
+            threshold, bytes.
 
     Raises:
         ValueError: an unknown name (the valid ones listed), or a subgroup with a non-flat one.
@@ -634,8 +677,8 @@ def make(name: str, group: dist.ProcessGroup | None = None, *, topology: Topolog
     if group is not None and group is not dist.group.WORLD:
         raise ValueError(f"collective {name!r} runs on the whole default group only; use 'flat' on a subgroup")
     topology = topology or Topology.discover()
-    if name == "ring":
-        return Ring(topology, segment_bytes)
+    if name == "tree":
+        return Tree(topology)
     if name == "auto":
-        return Auto(topology, small_bytes)
-    return COLLECTIVES[name](topology)
+        return Auto(topology, small_bytes, segment_bytes)
+    return COLLECTIVES[name](topology, segment_bytes=segment_bytes)

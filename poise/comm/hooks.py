@@ -321,7 +321,7 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
     collective = None
     if config.collective != "flat":
         collective = collectives.make(config.collective, process_group, topology=topology,
-                                      segment_bytes=config.ring_segment_bytes, small_bytes=config.tree_max_bytes)
+                                      segment_bytes=config.segment_bytes, small_bytes=config.tree_max_bytes)
     state = make_state(config.codec, error_feedback=config.error_feedback, start_step=config.start_step,
                        on_nonfinite=config.on_nonfinite, process_group=process_group, collective=collective,
                        **options)

@@ -135,7 +135,9 @@ class HookState:
 def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: reduce ``bucket`` through ``state``'s reducer (uncompressed while warming up)."""
     reducer = state.reducer if state.step >= state.start_step else state.uncompressed
-    fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight)
+    # the parameters' shapes: low rank compresses each weight matrix of the bucket on its own
+    shapes = [p.shape for p in bucket.parameters()]
+    fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight, shapes=shapes)
     if bucket.is_last():
         state.step += 1
     return fut

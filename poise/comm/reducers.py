@@ -5,8 +5,8 @@ A reducer owns no compression math (codecs do) and knows nothing of DDP (``hooks
 the ranks of the group, where ``w_r`` is the ``weight`` rank r passed, or ``1 / world_size`` for
 all if None (the mean, as DDP computes it). ``shapes`` are the shapes of the tensors the flat
 ``tensor`` is made of (a DDP bucket's parameters); only low rank uses them. Pre-weighting
-happens before encoding, which also keeps fp16 payloads in range. The strategy follows from the codec, never from a flag
-(:func:`make_reducer`):
+happens before encoding, which also keeps fp16 payloads in range. The strategy follows from
+the codec, never from a flag (:func:`make_reducer`):
 
 1. :class:`AllReduceReducer`: summable payloads (casts, random-k, no compression) are summed
    by one all-reduce and decoded once.

@@ -32,6 +32,7 @@ ALIASES = {
     "--rank-speed": "balance.rank_speed",
     "--codec": "comm.codec",
     "--topk-ratio": "comm.topk_ratio",
+    "--bucket-mb": "comm.bucket_mb",
 }
 # On/off switches: --NAME sets the boolean setting true, --no-NAME false.
 SWITCHES = {"--error-feedback": "comm.error_feedback"}

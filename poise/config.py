@@ -218,6 +218,10 @@ class CommConfig:
     )
     segment_bytes: int = _field(1 << 20, "ring and hierarchical: pipeline segment, in bytes")
     tree_max_bytes: int = _field(64 << 10, "auto: messages up to this many bytes use the tree (recursive doubling)")
+    bucket_mb: float = _field(
+        25.0, "DDP gradient bucket size in MB (2**20 bytes): smaller buckets start communicating earlier in "
+        "backward, larger ones send fewer messages"
+    )
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_NAMES:
@@ -228,6 +232,7 @@ class CommConfig:
         _positive("comm", "int8_chunk_size", self.int8_chunk_size, allow_none=False)
         if self.start_step < 0:
             raise ValueError(f"comm.start_step={self.start_step} must be >= 0")
+        _positive("comm", "bucket_mb", self.bucket_mb, allow_none=False)
         if self.on_nonfinite not in ("error", "skip"):
             raise ValueError(f"comm.on_nonfinite={self.on_nonfinite!r} is unknown: allowed are error, skip")
         if self.collective not in COLLECTIVE_NAMES:

@@ -33,6 +33,7 @@ ALIASES = {
     "--codec": "comm.codec",
     "--topk-ratio": "comm.topk_ratio",
     "--collective": "comm.collective",
+    "--bucket-mb": "comm.bucket_mb",
 }
 # On/off switches: --NAME sets the boolean setting true, --no-NAME false.
 SWITCHES = {"--error-feedback": "comm.error_feedback"}

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from poise.comm.codecs.lowrank import Shapes
     from poise.comm.reducers import Reducer
 
 log = logging.getLogger(__name__)
@@ -89,13 +90,16 @@ class Collective(abc.ABC):
         """Number of ranks taking part."""
 
     @abc.abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None) -> Future[torch.Tensor]:
+    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None,
+                   shapes: Shapes | None = None) -> Future[torch.Tensor]:
         """Future of ``tensor`` after it was overwritten with the sum over the group.
 
         Args:
             tensor: flat and contiguous; every rank passes the same numel and dtype.
             key: identifies the tensor across calls (DDP's bucket index); only a collective
                 that compresses (hierarchical with a codec) keeps per-key state with it.
+            shapes: shapes of the tensors ``tensor`` concatenates, if known; only a
+                compressing collective uses them (PowerSGD compresses each matrix).
         """
 
     @abc.abstractmethod
@@ -123,7 +127,8 @@ class Flat(Collective):
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None) -> Future[torch.Tensor]:
+    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None,
+                   shapes: Shapes | None = None) -> Future[torch.Tensor]:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return work.get_future().then(_resolve_to(tensor))
 
@@ -323,15 +328,16 @@ class _ThreadedCollective(Collective):
     def world_size(self) -> int:
         return self.topology.world_size
 
-    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None) -> Future[torch.Tensor]:
-        return self.topology.thread.submit(lambda: self._all_reduce(tensor, key), tensor.device)
+    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None,
+                   shapes: Shapes | None = None) -> Future[torch.Tensor]:
+        return self.topology.thread.submit(lambda: self._all_reduce(tensor, key, shapes), tensor.device)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Future[torch.Tensor]:
         assert out.numel() == tensor.numel() * self.world_size, (out.shape, tensor.shape)
         return self.topology.thread.submit(lambda: self._all_gather(out, tensor), tensor.device)
 
     @abc.abstractmethod
-    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
         """The blocking algorithm, run on the communication thread."""
 
     @abc.abstractmethod
@@ -375,7 +381,7 @@ class Ring(_ThreadedCollective):
         for work in sends:
             work.wait()
 
-    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
         n, rank = self.world_size, self.topology.rank
         if n == 1 or tensor.numel() == 0:
             return tensor
@@ -429,7 +435,7 @@ class Tree(_ThreadedCollective):
         for work in works:
             work.wait()
 
-    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
         n, rank = self.world_size, self.topology.rank
         if n == 1 or tensor.numel() == 0:
             return tensor
@@ -520,11 +526,11 @@ class Hierarchical(_ThreadedCollective):
         """The same topology (groups, thread) and segments with another inter-node step."""
         return Hierarchical(self.topology, inter_node, self.segment_bytes)
 
-    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
         if tensor.numel() == 0:
             return tensor
         if self.inter_node is not None:
-            return self._all_reduce_compressed(tensor, key)
+            return self._all_reduce_compressed(tensor, key, shapes)
         topo = self.topology
         flat = tensor.view(-1)
         per = max(1, self.segment_bytes // flat.element_size())
@@ -557,14 +563,15 @@ class Hierarchical(_ThreadedCollective):
             return None
         return dist.broadcast(segment, src=leader, group=self.topology.local_group, async_op=True)
 
-    def _all_reduce_compressed(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
+    def _all_reduce_compressed(self, tensor: torch.Tensor, key: Hashable | None,
+                               shapes: Shapes | None) -> torch.Tensor:
         topo = self.topology
         leader, local = topo.node_ranks[0], len(topo.node_ranks) > 1
         if local:
             dist.reduce(tensor, dst=leader, group=topo.local_group)
         if topo.is_leader and topo.layout.num_nodes > 1:
             # waited for here, on the communication thread, never in a callback
-            self.inter_node.reduce(tensor.view(-1), key=key, weight=1.0).wait()
+            self.inter_node.reduce(tensor.view(-1), key=key, weight=1.0, shapes=shapes).wait()
         if local:
             dist.broadcast(tensor, src=leader, group=topo.local_group)
         return tensor
@@ -639,8 +646,9 @@ class Auto(Collective):
             return self.tree
         return self.flat
 
-    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None) -> Future[torch.Tensor]:
-        return self.choose(tensor.numel() * tensor.element_size()).all_reduce(tensor, key=key)
+    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None,
+                   shapes: Shapes | None = None) -> Future[torch.Tensor]:
+        return self.choose(tensor.numel() * tensor.element_size()).all_reduce(tensor, key=key, shapes=shapes)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Future[torch.Tensor]:
         return self.choose(out.numel() * out.element_size()).all_gather(out, tensor)

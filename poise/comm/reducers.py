@@ -151,7 +151,7 @@ class AllReduceReducer(Reducer):
         (payload,) = encoded.tensors
         self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=self.codec.nbytes(encoded),
                           encode_s=time.perf_counter() - start, buckets=1)
-        summed = self.collective.all_reduce(payload, key=key)
+        summed = self.collective.all_reduce(payload, key=key, shapes=shapes)
 
         def decode(fut: Future[torch.Tensor]) -> torch.Tensor:
             fut.wait()  # re-raises a failed collective

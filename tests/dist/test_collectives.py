@@ -154,10 +154,12 @@ def _two_nodes(rank: int, world_size: int) -> dict:
                  "algorithms": _every_algorithm(rank, world_size, topology)}
     for name, options in {**{k: v[0] for k, v in LINEAR.items()}, **NONLINEAR}.items():
         inter = make_reducer(codecs.make(name, **options), topology.leader_group) if topology.is_leader else None
-        out["hier"][name] = hierarchical.with_inter_node(inter).all_reduce(_codec_input(rank), key=0).wait()
+        shapes = [torch.Size([64, 32])]  # PowerSGD compresses it as that matrix, both ways
+        out["hier"][name] = hierarchical.with_inter_node(inter).all_reduce(_codec_input(rank), key=0,
+                                                                           shapes=shapes).wait()
         if name in LINEAR:
             out["flat"][name] = make_reducer(codecs.make(name, **options)).reduce(_codec_input(rank), key=0,
-                                                                                 weight=1.0).wait()
+                                                                                 weight=1.0, shapes=shapes).wait()
     # error feedback lives at the leaders only
     ef = codecs.ErrorFeedback(codecs.make("topk", ratio=0.1))
     inter = make_reducer(ef, topology.leader_group) if topology.is_leader else None

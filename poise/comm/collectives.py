@@ -372,13 +372,23 @@ class Ring(_ThreadedCollective):
         left one into ``recv_into``; call ``on_arrival`` per received segment, in order."""
         group, n, rank = self.topology.world_group, self.world_size, self.topology.rank
         right, left = (rank + 1) % n, (rank - 1) % n
-        recvs = [(lo, hi, dist.irecv(recv_into[lo:hi], group=group, group_src=left, tag=i))
-                 for i, (lo, hi) in enumerate(recv_spans)]
-        sends = [dist.isend(send[lo:hi], group=group, group_dst=right, tag=i) for i, (lo, hi) in enumerate(send_spans)]
-        for lo, hi, work in recvs:
+        ops = [dist.P2POp(dist.irecv, recv_into[lo:hi], group=group, group_peer=left, tag=i)
+               for i, (lo, hi) in enumerate(recv_spans)]
+        ops += [dist.P2POp(dist.isend, send[lo:hi], group=group, group_peer=right, tag=i)
+                for i, (lo, hi) in enumerate(send_spans)]
+        if not ops:
+            return
+        # One batch: NCCL wants a step's sends and receives posted together and returns one
+        # coalesced operation; gloo returns one per segment, each summed as soon as it arrives.
+        works = dist.batch_isend_irecv(ops)
+        separate = len(works) == len(ops)
+        for work in () if separate else works:
             work.wait()
+        for i, (lo, hi) in enumerate(recv_spans):
+            if separate:
+                works[i].wait()
             on_arrival(lo, hi, recv_into)
-        for work in sends:
+        for work in works[len(recv_spans):] if separate else ():
             work.wait()
 
     def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
@@ -431,8 +441,9 @@ class Tree(_ThreadedCollective):
 
     def _exchange(self, send: torch.Tensor, send_to: int, recv: torch.Tensor, recv_from: int) -> None:
         group = self.topology.world_group
-        works = [dist.irecv(recv, group=group, group_src=recv_from), dist.isend(send, group=group, group_dst=send_to)]
-        for work in works:
+        ops = [dist.P2POp(dist.irecv, recv, group=group, group_peer=recv_from),
+               dist.P2POp(dist.isend, send, group=group, group_peer=send_to)]
+        for work in dist.batch_isend_irecv(ops):
             work.wait()
 
     def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:

@@ -26,7 +26,8 @@ Threading. Multi-step algorithms (ring, tree, hierarchical) run on one communica
 per process (:class:`CommThread`), which takes jobs from a FIFO queue and completes a
 ``torch.futures.Future`` per job. The caller (DDP's autograd thread, inside a comm hook) only
 enqueues and returns the future; it never waits for it, and no collective is ever started
-from a future callback. This is safe with gloo (and NCCL) because:
+from a future callback. This is safe with gloo because (and the same holds for NCCL, whose
+communicators are per process group too; not yet run on GPUs):
 
 1. The thread issues its operations only on process groups of its own (created once by
    :class:`Topology`: a copy of the world, the node groups and the leader group), which no
@@ -154,7 +155,7 @@ def _resolve_to(result: torch.Tensor) -> Callable[[Future[Any]], torch.Tensor]:
 class CommThread:
     """One daemon thread running collective jobs in FIFO order (see the module docstring).
 
-    ``submit(fn, tensors)`` returns a future completed with ``fn()``'s result, or with its
+    ``submit(fn, device)`` returns a future completed with ``fn()``'s result, or with its
     exception (the thread then goes on with the next job: peers that failed the same way
     fail their own futures).
     """

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from poise.balance.metrics import balance
+from poise.config import PARTITION_METHODS
 
 _REL_TOL = 1e-9  # float slack when re-checking a stage against the optimal bottleneck
 
@@ -323,6 +324,7 @@ METHODS: dict[str, Callable[..., list[int]]] = {
     "parameters": _method_parameters,
     "greedy": _method_greedy,
 }
+assert tuple(METHODS) == PARTITION_METHODS, "config.PARTITION_METHODS and METHODS must list the same names"
 
 
 def partition(

@@ -93,6 +93,27 @@ def profile_on_rank0(layers: list[torch.nn.Module], names: list[str], micro: Bat
     return LayerProfile(**holder[0])
 
 
+def check_config(config: RunConfig, batch_size: int | None) -> None:
+    """What a pipeline run needs beyond the config's own checks (``batch_size``: samples per
+    step, None when not known yet).
+
+    Raises:
+        ValueError: another task than code-lm, epochs or a token budget, or fewer samples per
+            step than micro-batches.
+    """
+    if config.task.name != "code-lm":
+        raise ValueError(f"poise pipeline splits code-lm's transformer; task.name={config.task.name!r} has no layers")
+    if config.train.epochs is not None or config.train.batch_tokens is not None:
+        raise ValueError("poise pipeline runs train.steps of train.batch_size samples; "
+                         "train.epochs and train.batch_tokens are not supported")
+    if batch_size is not None and batch_size < config.pipeline.micro_batches:
+        raise ValueError(f"train.batch_size={batch_size} cannot be cut into pipeline.micro_batches="
+                         f"{config.pipeline.micro_batches}: give a batch of at least that many samples")
+    if config.task.num_layers + 2 < config.dist.nproc:
+        raise ValueError(f"{config.dist.nproc} stages need at least as many layers, but code-lm has "
+                         f"{config.task.num_layers + 2} (embedding, {config.task.num_layers} blocks, head)")
+
+
 def layer_names(num_blocks: int) -> list[str]:
     return ["embedding", *(f"block{i}" for i in range(num_blocks)), "head"]
 
@@ -102,17 +123,11 @@ def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     started = time.perf_counter()
     torch.set_num_threads(rdist.threads_for(config.dist, ctx.local_world_size))
     seed_everything(config.train.seed, ctx.rank)
-    if config.task.name != "code-lm":
-        raise ValueError(f"poise pipeline splits code-lm's transformer; task.name={config.task.name!r} has no layers")
-    if config.train.epochs is not None or config.train.batch_tokens is not None:
-        raise ValueError("poise pipeline runs train.steps of train.batch_size samples; "
-                         "train.epochs and train.batch_tokens are not supported")
+    check_config(config, config.train.batch_size)
     task = build_task_once_per_node(config, ctx)
     pc, tc = config.pipeline, config.train
     batch_size = tc.batch_size or task.default_batch_size
-    if batch_size < pc.micro_batches:
-        raise ValueError(f"train.batch_size={batch_size} cannot be cut into pipeline.micro_batches="
-                         f"{pc.micro_batches}: give a batch of at least that many samples")
+    check_config(config, batch_size)
     total_steps = config.total_steps or 0
     model = task.build_model()  # seeded: identical on every rank
     layers = model.pipeline_layers()  # type: ignore[operator]

@@ -62,7 +62,7 @@ def test_pipeline_layers_compute_the_model_and_keep_its_state_dict():
 def test_named_layers_and_bad_input():
     model = ByteTransformer(max_seq_len=32, d_model=16, num_layers=2, num_heads=2)
     assert named_layers(model, ["blocks.0", "head"]) == [model.blocks[0], model.head]
-    with pytest.raises(ValueError, match="no submodule 'blocks.7'"):
+    with pytest.raises(ValueError, match=r"no submodule 'blocks\.7'"):
         named_layers(model, ["blocks.7"])
     with pytest.raises(ValueError, match="at least one layer"):
         profile_layers([], torch.zeros(1))

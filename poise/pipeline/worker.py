@@ -64,6 +64,13 @@ class FixedLengthBatches:
         return pad_batch(self.task.collate([self.task.train_set[int(i)] for i in chosen]), self.length)
 
 
+def first_micro_batch(batches: FixedLengthBatches, num_micro_batches: int) -> Batch:
+    """The first micro-batch of step 0 (torch's pipelining cuts a batch into chunks of ⌈B / m⌉ rows)."""
+    first = batches.batch(0)
+    rows = math.ceil(batches.batch_size / num_micro_batches)
+    return Batch(first.inputs[:rows], first.targets[:rows], rows, 0, 0)
+
+
 def pad_batch(batch: Batch, length: int) -> Batch:
     """Right-pad inputs (byte 0) and targets (ignored) to ``length`` tokens."""
     extra = length - batch.inputs.shape[1]
@@ -79,14 +86,21 @@ def pad_batch(batch: Batch, length: int) -> Batch:
     )
 
 
+def profile_micro_batch(layers: list[torch.nn.Module], names: list[str], micro: Batch, *, repeats: int,
+                        warmup: int) -> LayerProfile:
+    """Profile the layers on one micro-batch, the loss counted in the last layer (the last stage computes it)."""
+    loss = TokenLoss()
+    loss.begin_step(micro.targets)
+    return profile_layers(layers, micro.inputs, names=names, loss_fn=lambda out: loss(out, micro.targets),
+                          repeats=repeats, warmup=warmup)
+
+
 def profile_on_rank0(layers: list[torch.nn.Module], names: list[str], micro: Batch, config: RunConfig) -> LayerProfile:
     """Rank 0 profiles (the others wait), then every rank gets the same numbers."""
     holder: list[dict | None] = [None]
     if dist.get_rank() == 0:
-        loss = TokenLoss()
-        loss.begin_step(micro.targets)
-        profile = profile_layers(layers, micro.inputs, names=names, loss_fn=lambda out: loss(out, micro.targets),
-                                 repeats=config.pipeline.profile_repeats, warmup=config.pipeline.profile_warmup)
+        profile = profile_micro_batch(layers, names, micro, repeats=config.pipeline.profile_repeats,
+                                      warmup=config.pipeline.profile_warmup)
         holder[0] = profile.as_dict()
     dist.broadcast_object_list(holder, src=0)
     assert holder[0] is not None
@@ -133,9 +147,7 @@ def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     layers = model.pipeline_layers()  # type: ignore[operator]
     names = layer_names(len(layers) - 2)
     batches = FixedLengthBatches(task, batch_size, config.task.max_seq_len - 1, tc.seed)
-    first = batches.batch(0)
-    micro_rows = math.ceil(batch_size / pc.micro_batches)
-    micro = Batch(first.inputs[:micro_rows], first.targets[:micro_rows], micro_rows, 0, 0)
+    micro = first_micro_batch(batches, pc.micro_batches)
     profile = profile_on_rank0(layers, names, micro, config)
     in_flight = pc.micro_batches if pc.schedule == "gpipe" else min(pc.micro_batches, ctx.world_size)
     plan = plan_stages(profile, ctx.world_size, method=pc.partition, num_micro_batches=pc.micro_batches,

@@ -142,34 +142,28 @@ def _saved_bytes(layer: nn.Module, value: Activation) -> int:
     return sum(storages.values())
 
 
-def _time_layer(
+def _time_once(
     layer: nn.Module, value: Activation, loss_fn: Callable[[Activation], torch.Tensor] | None,
-    repeats: int, warmup: int, device: torch.device,
-) -> tuple[float, float]:
-    """Median (forward + backward, forward) seconds of ``layer`` on ``value``."""
-    grads = None
-    total, forward = [], []
-    for rep in range(warmup + repeats):
-        x = _detached_input(value)
-        _sync(device)
-        t0 = time.perf_counter()
-        out = _call(layer, x)
-        if loss_fn is not None:
-            out = loss_fn(out)
-        _sync(device)
-        t1 = time.perf_counter()
-        outs = [t for t in _tensors(out) if t.requires_grad]
-        if grads is None:  # the same upstream gradient every repeat, drawn once
-            grads = [torch.randn_like(t) for t in outs]
-        if outs:
-            torch.autograd.backward(outs, grads)
-        _sync(device)
-        t2 = time.perf_counter()
-        layer.zero_grad(set_to_none=True)
-        if rep >= warmup:
-            total.append(t2 - t0)
-            forward.append(t1 - t0)
-    return statistics.median(total), statistics.median(forward)
+    grads: list[torch.Tensor] | None, device: torch.device,
+) -> tuple[float, float, list[torch.Tensor]]:
+    """One forward + backward of ``layer`` on ``value``: (total s, forward s, the upstream gradients used)."""
+    x = _detached_input(value)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = _call(layer, x)
+    if loss_fn is not None:
+        out = loss_fn(out)
+    _sync(device)
+    t1 = time.perf_counter()
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    if grads is None:  # the same upstream gradient every repeat, drawn once
+        grads = [torch.randn_like(t) for t in outs]
+    if outs:
+        torch.autograd.backward(outs, grads)
+    _sync(device)
+    t2 = time.perf_counter()
+    layer.zero_grad(set_to_none=True)
+    return t2 - t0, t1 - t0, grads
 
 
 def profile_layers(
@@ -209,17 +203,31 @@ def profile_layers(
     labels = list(names) if names is not None else [type(m).__name__ for m in modules]
     value: Activation = tuple(t.to(device) for t in _tensors(sample))
     value = value[0] if isinstance(sample, torch.Tensor) else value
-    time_s, forward_s, params, saved, outputs = [], [], [], [], []
-    for index, original in enumerate(modules):
-        layer = copy.deepcopy(original).to(device).train()  # sandbox: the user's layer is untouched
-        last = index == len(modules) - 1
-        total, fwd = _time_layer(layer, value, loss_fn if last else None, repeats, warmup, device)
-        time_s.append(total)
-        forward_s.append(fwd)
+    # Sandbox: deep copies, so the user's layers, their gradients and buffers stay untouched.
+    copies = [copy.deepcopy(m).to(device).train() for m in modules]
+    inputs, params, saved, outputs = [], [], [], []
+    for layer in copies:
+        inputs.append(value)
         params.append(_nbytes([*layer.parameters(), *layer.buffers()]))
         saved.append(_saved_bytes(layer, value))
         with torch.no_grad():
             value = _call(layer, value)
         outputs.append(_nbytes(_tensors(value)))
-        log.debug("profiled %s: %.3f ms", labels[index], total * 1e3)
+    # Rounds over all layers rather than all repeats of one layer at a time: a passing
+    # disturbance (another process, CPU throttling) then touches every layer alike instead of
+    # making a few layers look slow.
+    total: list[list[float]] = [[] for _ in copies]
+    forward: list[list[float]] = [[] for _ in copies]
+    grads: list[list[torch.Tensor] | None] = [None] * len(copies)
+    for round_index in range(warmup + repeats):
+        for i, layer in enumerate(copies):
+            loss = loss_fn if i == len(copies) - 1 else None
+            t, f, grads[i] = _time_once(layer, inputs[i], loss, grads[i], device)
+            if round_index >= warmup:
+                total[i].append(t)
+                forward[i].append(f)
+    time_s = [statistics.median(t) for t in total]
+    forward_s = [statistics.median(f) for f in forward]
+    for label, t in zip(labels, time_s, strict=True):
+        log.debug("profiled %s: %.3f ms", label, t * 1e3)
     return LayerProfile(labels, time_s, forward_s, params, saved, outputs)

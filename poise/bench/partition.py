@@ -26,7 +26,6 @@ from itertools import pairwise
 from typing import Any
 
 import numpy as np
-import torch
 
 from poise import config as cfg
 from poise.balance.metrics import balance
@@ -147,6 +146,8 @@ def summarize_random(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _code_lm_profile(args: argparse.Namespace) -> tuple[Any, int]:
+    import torch
+
     from poise.pipeline.worker import FixedLengthBatches, first_micro_batch, layer_names, profile_micro_batch
     from poise.tasks.registry import build_task
 

@@ -15,7 +15,6 @@ from typing import Any
 from poise.cli.flags import add_config_flags
 from poise.cli.train import launch, record_config
 from poise.log import make_console
-from poise.pipeline.worker import check_config
 
 WORKER_MODULE = "poise.pipeline.worker"
 # Short flags of this command only (the pipeline settings mean nothing to `poise train`).
@@ -34,6 +33,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from poise.pipeline.worker import check_config  # torch is imported only when a command runs
+
     config, config_path = record_config(args)
     check_config(config, config.train.batch_size)  # fail here, in one line, before starting workers
     code = launch(config, config_path, module=WORKER_MODULE, command="pipeline")

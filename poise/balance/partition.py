@@ -366,9 +366,10 @@ def partition(
         raise ValueError(f"method={method!r} is unknown: allowed are {', '.join(METHODS)}")
     c = _vector("costs", costs, length=None, positive=True)
     _check_stage_count(c.size, num_stages)
+    groups = [list(group) for group in inseparable]  # once: it may be a generator
     given = {"memory": memory, "memory_cap": memory_cap, "boundary_costs": boundary_costs}
     if method != "exact":
-        extra = [k for k, v in given.items() if v is not None] + (["inseparable"] if list(inseparable) else [])
+        extra = [k for k, v in given.items() if v is not None] + (["inseparable"] if groups else [])
         if extra:
             raise ValueError(f"method={method!r} does not take {', '.join(extra)}: use method='exact'")
     if (method == "parameters") != (weights is not None):
@@ -387,7 +388,7 @@ def partition(
             "memory_cap": memory_cap,
             "boundary_costs": None if boundary_costs is None
             else _vector("boundary_costs", boundary_costs, length=c.size - 1, positive=False),
-            "inseparable": list(inseparable),
+            "inseparable": groups,
         }
     elif method == "parameters":
         kwargs = {"weights": _vector("weights", weights, length=c.size, positive=False)}  # type: ignore[arg-type]

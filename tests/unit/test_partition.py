@@ -107,6 +107,7 @@ def test_memory_cap_and_inseparable_groups_are_respected():
     assert partition(costs, 2, memory=[5, 5, 5, 1, 1, 1], memory_cap=11) == [0, 2, 6]
     assert partition(costs, 3, inseparable=[(0, 1, 2)]) in ([0, 3, 4, 6], [0, 3, 5, 6])
     assert partition(costs, 2, inseparable=[[4, 2]]) == [0, 2, 6]  # 2..4 stay together
+    assert partition(costs, 2, inseparable=(g for g in [[4, 2]])) == [0, 2, 6]  # a generator works too
 
 
 @pytest.mark.parametrize(

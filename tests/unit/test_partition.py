@@ -38,7 +38,7 @@ def _brute(costs, p, *, boundary_costs=None, memory=None, cap=None, inseparable=
     return best, max(b for t, b in results if t <= best * (1 + 1e-9))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(costs=costs_st, data=st.data())
 def test_exact_reaches_the_brute_force_optimum_and_its_best_balance(costs, data):
     p = data.draw(st.integers(1, len(costs)))
@@ -50,7 +50,7 @@ def test_exact_reaches_the_brute_force_optimum_and_its_best_balance(costs, data)
     assert summary.balance == pytest.approx(best_balance, rel=1e-9, abs=1e-12)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(costs=costs_st, data=st.data())
 def test_exact_with_comm_memory_and_groups_matches_brute_force(costs, data):
     n = len(costs)

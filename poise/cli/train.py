@@ -36,7 +36,10 @@ def default_out_dir() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
 
-def launcher_args(config: cfg.RunConfig, config_path: Path) -> list[str]:
+WORKER_MODULE = "poise.runtime.worker"
+
+
+def launcher_args(config: cfg.RunConfig, config_path: Path, module: str = WORKER_MODULE) -> list[str]:
     """torchrun arguments for this config (what a user would type after ``torchrun``)."""
     d = config.dist
     args = [f"--nproc-per-node={d.nproc}", f"--nnodes={d.nnodes}", "--max-restarts=0", "--monitor-interval=0.5"]
@@ -48,25 +51,28 @@ def launcher_args(config: cfg.RunConfig, config_path: Path) -> list[str]:
         raise ValueError(f"dist.nnodes={d.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
     else:
         args.append("--standalone")
-    return [*args, "-m", "poise.runtime.worker", "--config", str(config_path)]
+    return [*args, "-m", module, "--config", str(config_path)]
 
 
-def launch(config: cfg.RunConfig, config_path: Path) -> int:
-    """Run the workers through torch.distributed.run; returns 0 or 1 (a worker failed)."""
+def launch(config: cfg.RunConfig, config_path: Path, *, module: str = WORKER_MODULE, command: str = "train") -> int:
+    """Run ``module``'s workers through torch.distributed.run; returns 0 or 1 (a worker failed).
+
+    ``command`` names the ``poise`` subcommand in the failure message.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as elastic_run
 
     # torchrun would force 1 thread per worker and warn; the worker sets its own count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    argv = launcher_args(config, config_path)
+    argv = launcher_args(config, config_path, module)
     log.info("launching: torchrun %s", " ".join(argv))
     try:
         elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         sys.stderr.write(
-            f"poise train: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
+            f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
         )
         return 1
     return 0
@@ -86,15 +92,21 @@ def _error_line(message: object) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def run(args: argparse.Namespace) -> int:
+def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
+    """Resolve the flags into a config with an absolute ``out_dir`` and write ``config.toml`` there."""
     config = resolve(args)
     # Absolute, so workers started from another directory (or node) write to the same place.
     out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
-    out = Path(config.out_dir)
-    config_path = cfg.save(config, out / "config.toml")
+    config_path = cfg.save(config, Path(config.out_dir) / "config.toml")
     log.info("resolved config written to %s", config_path)
-    code = launch(config, config_path.resolve())
+    return config, config_path.resolve()
+
+
+def run(args: argparse.Namespace) -> int:
+    config, config_path = record_config(args)
+    out = Path(config.out_dir)
+    code = launch(config, config_path)
     report_path = out / "report.json"
     if code == 0 and report_path.exists():
         _show_summary(report_path)

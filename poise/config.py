@@ -30,6 +30,9 @@ BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_STRATEGIES = ("static", "cost", "dynamic")
 # Gradient codecs (poise.comm.codecs.CODECS) plus torch's own hooks, for comparison.
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16", "torch-powersgd")
+# poise.balance.partition.METHODS and poise.pipeline.stage.SCHEDULES, by name.
+PARTITION_METHODS = ("exact", "uniform", "parameters", "greedy")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
 # names of poise.comm.collectives.COLLECTIVES (kept here so the config does not import torch.distributed)
 COLLECTIVE_NAMES = ("flat", "ring", "tree", "hierarchical", "auto")
@@ -278,6 +281,49 @@ class FaultConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline parallelism (``poise pipeline``): one stage per worker, see poise/pipeline/."""
+
+    schedule: str = _field("1f1b", f"pipeline schedule: {', '.join(PIPELINE_SCHEDULES)}")
+    micro_batches: int = _field(4, "micro-batches per step (train.batch_size samples are cut into this many)")
+    partition: str = _field("exact", f"how layers are split into stages: {', '.join(PARTITION_METHODS)}")
+    link_bandwidth_bytes_per_s: float = _field(
+        0.0, "link bandwidth between stages for the plan's communication cost (0 = not modelled)"
+    )
+    memory_cap_bytes: float = _field(0.0, "most bytes one stage may hold, exact plan only (0 = no cap)")
+    profile_repeats: int = _field(5, "timed runs per layer when profiling (median is used)")
+    profile_warmup: int = _field(2, "untimed runs per layer before profiling")
+    warmup_steps: int = _field(2, "first steps left out of the measured stage times")
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline.schedule={self.schedule!r} is unknown: allowed are {', '.join(PIPELINE_SCHEDULES)}"
+            )
+        if self.partition not in PARTITION_METHODS:
+            raise ValueError(
+                f"pipeline.partition={self.partition!r} is unknown: allowed are {', '.join(PARTITION_METHODS)}"
+            )
+        _positive("pipeline", "micro_batches", self.micro_batches, allow_none=False)
+        _positive("pipeline", "profile_repeats", self.profile_repeats, allow_none=False)
+        if self.link_bandwidth_bytes_per_s < 0 or self.memory_cap_bytes < 0:
+            raise ValueError(
+                f"pipeline.link_bandwidth_bytes_per_s={self.link_bandwidth_bytes_per_s} and "
+                f"pipeline.memory_cap_bytes={self.memory_cap_bytes} must be >= 0"
+            )
+        if self.profile_warmup < 0 or self.warmup_steps < 0:
+            raise ValueError(
+                f"pipeline.profile_warmup={self.profile_warmup} and pipeline.warmup_steps={self.warmup_steps} "
+                "must be >= 0"
+            )
+        if self.memory_cap_bytes and self.partition != "exact":
+            raise ValueError(
+                f"pipeline.memory_cap_bytes={self.memory_cap_bytes:g} needs pipeline.partition='exact', "
+                f"not {self.partition!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """A whole run: the sections above plus where outputs go."""
 
@@ -289,6 +335,7 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         if self.train.batch_tokens is not None and self.task.name != "code-lm":

@@ -27,20 +27,29 @@ def add_parser(sub: Any) -> None:
     parser.set_defaults(run=run)
 
 
+WORKER_MODULE = "poise.runtime.worker"
+
+
 def default_out_dir() -> str:
     """``runs/<timestamp>`` under the current directory."""
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
 
-def run(args: argparse.Namespace) -> int:
+def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
+    """Resolve the flags into a config with an absolute ``out_dir`` and write ``config.toml`` there."""
     config = resolve(args)
     # Absolute, so workers started from another directory (or node) write to the same place.
     out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
-    out = Path(config.out_dir)
-    config_path = cfg.save(config, out / "config.toml")
+    config_path = cfg.save(config, Path(config.out_dir) / "config.toml")
     log.info("resolved config written to %s", config_path)
-    code = launch(config.dist, "poise.runtime.worker", ["--config", str(config_path.resolve())], "poise train")
+    return config, config_path.resolve()
+
+
+def run(args: argparse.Namespace) -> int:
+    config, config_path = record_config(args)
+    out = Path(config.out_dir)
+    code = launch(config.dist, WORKER_MODULE, ["--config", str(config_path)], "poise train")
     report_path = out / "report.json"
     if code == 0 and report_path.exists():
         _show_summary(report_path)

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from poise.cli import bench, train
+from poise.cli import bench, cluster, train
 from poise.log import setup_logging
 
 log = logging.getLogger("poise.cli")
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train.add_parser(sub)
     bench.add_parser(sub)
+    cluster.add_parser(sub)
     return parser
 
 

@@ -32,10 +32,14 @@ ALIASES = {
     "--rank-speed": "balance.rank_speed",
     "--codec": "comm.codec",
     "--topk-ratio": "comm.topk_ratio",
+    "--link": "cluster.link",
 }
 # On/off switches: --NAME sets the boolean setting true, --no-NAME false.
 SWITCHES = {"--error-feedback": "comm.error_feedback"}
+# Two settings in one flag: "A:B" sets the first key to A and the second to B; "A" the first only.
+PAIRS = {"--cluster": ("cluster.nodes", "dist.nproc")}
 _PREFIX = "config:"
+_PAIR_PREFIX = "pair:"
 
 
 def _fields() -> dict[str, tuple[Any, str]]:
@@ -66,6 +70,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                             help=f"{fields[key][1]} (= --{key} true; {negated} turns it off)")
         parser.add_argument(negated, dest=_PREFIX + key, action="store_const", const="false",
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for flag, (first, second) in PAIRS.items():
+        parser.add_argument(flag, dest=_PAIR_PREFIX + flag, default=argparse.SUPPRESS, metavar="A[:B]",
+                            help=f"{fields[first][1]}; after ':', {fields[second][1]} (= --{first} A --{second} B)")
     group = parser.add_argument_group("every setting")
     for key, (_, help_) in fields.items():
         group.add_argument(f"--{key}", dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V", help=help_)
@@ -73,11 +80,20 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The flags that were given, as a nested dict of raw strings (the config coerces them)."""
-    nested: dict[str, Any] = {}
+    given = {dest[len(_PREFIX):]: value for dest, value in vars(args).items() if dest.startswith(_PREFIX)}
     for dest, value in vars(args).items():
-        if not dest.startswith(_PREFIX):
+        if not dest.startswith(_PAIR_PREFIX):
             continue
-        section, _, name = dest[len(_PREFIX):].rpartition(".")
+        flag = dest[len(_PAIR_PREFIX):]
+        parts = str(value).split(":")
+        if len(parts) > 2 or not all(p.strip() for p in parts):
+            raise ValueError(f"{flag} {value!r} is invalid: give A or A:B")
+        for key, part in zip(PAIRS[flag], parts, strict=False):
+            if given.setdefault(key, part) != part:
+                raise ValueError(f"{flag} {value!r} sets {key}={part}, but --{key} {given[key]} is given too")
+    nested: dict[str, Any] = {}
+    for key, value in given.items():
+        section, _, name = key.rpartition(".")
         if section:
             nested.setdefault(section, {})[name] = value
         else:
@@ -85,7 +101,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     return nested
 
 
-def resolve(args: argparse.Namespace) -> cfg.RunConfig:
-    """defaults < ``--config`` file < flags, validated (raises one-line ValueError)."""
+def resolve(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> cfg.RunConfig:
+    """defaults < ``--config`` file < ``defaults`` (nested, e.g. an existing cluster's shape) < flags,
+    validated (raises one-line ValueError)."""
     base = cfg.load_toml(args.config) if args.config else {}
-    return cfg.from_dict(cfg.merge(base, overrides(args)))
+    return cfg.from_dict(cfg.merge(cfg.merge(base, defaults or {}), overrides(args)))

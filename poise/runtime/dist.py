@@ -96,11 +96,12 @@ def check_config_agreement(config: RunConfig, ctx: DistContext) -> None:
         )
 
 
-def threads_for(config: DistConfig, local_world_size: int) -> int:
-    """CPU threads per worker: the configured number, or this machine's cores shared evenly."""
+def threads_for(config: DistConfig, workers_on_machine: int) -> int:
+    """CPU threads per worker: the configured number, or this machine's cores shared evenly by
+    ``workers_on_machine`` (the local workers, times the nodes of an emulated cluster)."""
     if config.threads_per_worker:
         return config.threads_per_worker
-    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    return max(1, (os.cpu_count() or 1) // max(1, workers_on_machine))
 
 
 def close(*, synchronize: bool) -> None:

@@ -88,6 +88,8 @@ def _show(statuses: list[topology.ClusterStatus]) -> None:
         st = s.state
         if st is None:
             condition = f"orphaned: {len(s.present)} namespace(s), no state ('poise cluster down --all')"
+        elif st.is_stale():
+            condition = f"stale: job process {st.owner_pid} is gone (the next 'up' or 'down' removes it)"
         elif st.phase != "up":
             condition = f"{st.phase} (interrupted: run 'poise cluster down --name {s.name}')"
         else:

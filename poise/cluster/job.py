@@ -96,7 +96,8 @@ def run_on_cluster(config: RunConfig, config_path: Path) -> int:
     name = f"job{os.getpid()}_{secrets.token_hex(2)}"
     with _terminate_as_interrupt():
         try:
-            state = topology.up(name, spec.nodes, config.dist.nproc, spec.link_rate_bit_per_s, spec.delay_s)
+            state = topology.up(name, spec.nodes, config.dist.nproc, spec.link_rate_bit_per_s, spec.delay_s,
+                                owned_by_this_process=True)
             return _run_agents(state, config, config_path)
         finally:
             topology.down(name)

@@ -66,14 +66,27 @@ def stop_processes(pids: list[int], grace_s: float = 5.0) -> None:
                 pass
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 2.0)
         while alive and time.monotonic() < deadline:
-            alive = [p for p in alive if _is_running(p)]
+            alive = [p for p in alive if is_running(p)]
             time.sleep(0.05)
         if not alive:
             return
         pids = alive
 
 
-def _is_running(pid: int) -> bool:
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), or None when there is no such process.
+
+    A pid plus its start time names one process for good, even after the pid is reused.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

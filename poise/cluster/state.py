@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from poise.cluster.links import format_rate
-from poise.cluster.net import NS_PREFIX
+from poise.cluster.net import NS_PREFIX, process_start_ticks
 from poise.files import write_json_atomic
 
 DEFAULT_STATE_DIR = "/run/poise/clusters"
@@ -78,7 +78,7 @@ def owned_prefix(name: str) -> str:
 
 @dataclass
 class ClusterState:
-    """One cluster: its shape, link, addresses and the namespaces it owns.
+    """One cluster: its shape, link, addresses, the namespaces it owns and who owns it.
 
     ``link_rate_bit_per_s`` shapes each node's link in both directions; ``delay_s`` is the
     one-way delay added to each direction (0 = none). Node ``i`` has address ``subnet``'s
@@ -93,6 +93,14 @@ class ClusterState:
     delay_s: float = 0.0
     phase: str = "creating"
     namespaces: list[str] = field(default_factory=list)
+    # A cluster brought up for one job belongs to that job's process (pid, start time in clock
+    # ticks); once that process is gone the cluster is stale. 0 = kept until 'down'.
+    owner_pid: int = 0
+    owner_start_ticks: int = 0
+
+    def is_stale(self) -> bool:
+        """Whether the job process that owned this cluster is gone (killed before its 'down')."""
+        return bool(self.owner_pid) and process_start_ticks(self.owner_pid) != self.owner_start_ticks
 
     @property
     def path(self) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -36,12 +37,17 @@ from poise.cluster.state import (
 log = logging.getLogger(__name__)
 
 
-def up(name: str, nodes: int, procs_per_node: int, rate_bit_per_s: int, delay_s: float = 0.0) -> ClusterState:
+def up(name: str, nodes: int, procs_per_node: int, rate_bit_per_s: int, delay_s: float = 0.0,
+       owned_by_this_process: bool = False) -> ClusterState:
     """Create cluster ``name`` (or return it unchanged when it is already up with this shape).
+
+    Clusters left behind by job processes that were killed are removed first.
 
     Args:
         rate_bit_per_s: each node link's rate, in each direction, bits per second.
         delay_s: one-way delay added to each direction, seconds (needs netem in the kernel).
+        owned_by_this_process: the cluster belongs to this process (a job's own cluster): once
+            the process is gone without taking it down, the next ``up`` removes it.
 
     Raises:
         ValueError: bad arguments, a cluster of that name with another shape, or a missing
@@ -51,6 +57,7 @@ def up(name: str, nodes: int, procs_per_node: int, rate_bit_per_s: int, delay_s:
     validate_shape(nodes, procs_per_node)
     net.require_support(delay=delay_s > 0)
     with locked():
+        _remove_stale()
         existing = ClusterState.load(name)
         if existing is not None and existing.phase == "up":
             same = (existing.nodes, existing.procs_per_node, existing.link_rate_bit_per_s, existing.delay_s) == (
@@ -68,6 +75,9 @@ def up(name: str, nodes: int, procs_per_node: int, rate_bit_per_s: int, delay_s:
         _remove(name, existing)
         state = ClusterState(name=name, nodes=nodes, procs_per_node=procs_per_node,
                              link_rate_bit_per_s=rate_bit_per_s, delay_s=delay_s, subnet=_free_subnet(name))
+        if owned_by_this_process:
+            state.owner_pid = os.getpid()
+            state.owner_start_ticks = net.process_start_ticks(state.owner_pid) or 0
         # Recorded before the first object exists: whatever happens next, down finds it all.
         state.namespaces = state.planned_namespaces()
         state.save()
@@ -84,14 +94,16 @@ def up(name: str, nodes: int, procs_per_node: int, rate_bit_per_s: int, delay_s:
 
 def down(name: str) -> list[str]:
     """Remove cluster ``name``: stop processes inside it, delete its namespaces and state.
+    Clusters left behind by killed jobs are removed as well.
 
     Returns:
-        The namespaces deleted (empty when there was nothing: ``down`` twice is fine).
+        The namespaces of ``name`` deleted (empty when there was nothing: ``down`` twice is fine).
     """
     validate_name(name)
     net.require_root()
     net.require_tools()
     with locked():
+        _remove_stale()
         return _remove(name, ClusterState.load(name))
 
 
@@ -175,6 +187,14 @@ def _build(state: ClusterState) -> None:
         for where, dev in ((ns, NODE_IFNAME), (sw, port)):  # upload, download
             for args in shaping.tc_args(dev):
                 net.run("tc", "-n", where, *args)
+
+
+def _remove_stale() -> None:
+    for other in recorded_names():
+        state = ClusterState.load(other)
+        if state is not None and state.is_stale():
+            log.warning("removing cluster %s: the job process %d that brought it up is gone", other, state.owner_pid)
+            _remove(other, state)
 
 
 def _remove(name: str, state: ClusterState | None) -> list[str]:

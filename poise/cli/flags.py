@@ -37,13 +37,16 @@ ALIASES = {
 # On/off switches: --NAME sets the boolean setting true, --no-NAME false.
 SWITCHES = {"--error-feedback": "comm.error_feedback"}
 # Two settings in one flag: "A:B" sets the first key to A and the second to B; "A" the first only.
-PAIRS = {"--cluster": ("cluster.nodes", "dist.nproc")}
+# flag -> (keys, metavar, help)
+PAIRS = {
+    "--cluster": (("cluster.nodes", "dist.nproc"), "N[:M]", "run on an emulated cluster of N nodes, M workers each"),
+}
 _PREFIX = "config:"
 _PAIR_PREFIX = "pair:"
 
 
 def _fields() -> dict[str, tuple[Any, str]]:
-    """Dotted key -> (type, help) for every config field."""
+    """Dotted key -> (type, help) for every config field (help escaped for argparse's %-formatting)."""
     out: dict[str, tuple[Any, str]] = {}
     top = cfg.field_types(cfg.RunConfig)
     for f in dataclasses.fields(cfg.RunConfig):
@@ -51,9 +54,9 @@ def _fields() -> dict[str, tuple[Any, str]]:
             section = cfg.SECTIONS[f.name]
             types_ = cfg.field_types(section)
             for sf in dataclasses.fields(section):
-                out[f"{f.name}.{sf.name}"] = (types_[sf.name], sf.metadata.get("help", ""))
+                out[f"{f.name}.{sf.name}"] = (types_[sf.name], sf.metadata.get("help", "").replace("%", "%%"))
         else:
-            out[f.name] = (top[f.name], f.metadata.get("help", ""))
+            out[f.name] = (top[f.name], f.metadata.get("help", "").replace("%", "%%"))
     return out
 
 
@@ -70,9 +73,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                             help=f"{fields[key][1]} (= --{key} true; {negated} turns it off)")
         parser.add_argument(negated, dest=_PREFIX + key, action="store_const", const="false",
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    for flag, (first, second) in PAIRS.items():
-        parser.add_argument(flag, dest=_PAIR_PREFIX + flag, default=argparse.SUPPRESS, metavar="A[:B]",
-                            help=f"{fields[first][1]}; after ':', {fields[second][1]} (= --{first} A --{second} B)")
+    for flag, ((first, second), metavar, help_) in PAIRS.items():
+        a, b = metavar.replace("[", "").replace("]", "").split(":")  # "N[:M]" -> N, M
+        parser.add_argument(flag, dest=_PAIR_PREFIX + flag, default=argparse.SUPPRESS, metavar=metavar,
+                            help=f"{help_} (= --{first} {a} --{second} {b})")
     group = parser.add_argument_group("every setting")
     for key, (_, help_) in fields.items():
         group.add_argument(f"--{key}", dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V", help=help_)
@@ -87,8 +91,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         flag = dest[len(_PAIR_PREFIX):]
         parts = str(value).split(":")
         if len(parts) > 2 or not all(p.strip() for p in parts):
-            raise ValueError(f"{flag} {value!r} is invalid: give A or A:B")
-        for key, part in zip(PAIRS[flag], parts, strict=False):
+            raise ValueError(f"{flag} {value!r} is invalid: give {PAIRS[flag][1]}")
+        for key, part in zip(PAIRS[flag][0], parts, strict=False):
             if given.setdefault(key, part) != part:
                 raise ValueError(f"{flag} {value!r} sets {key}={part}, but --{key} {given[key]} is given too")
     nested: dict[str, Any] = {}

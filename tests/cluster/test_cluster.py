@@ -7,9 +7,11 @@ Every cluster gets a name of its own and is removed by the fixtures even when a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from poise.cli import main
 from poise.cluster import net
 from poise.cluster.state import ClusterState, node_namespace, owned_prefix
 from tests.cluster.conftest import poise_namespaces
@@ -38,15 +41,27 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.01)
 
 
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``poise ARGS`` in this process (no interpreter start-up): exit code, stdout, stderr."""
+    capsys.readouterr()
+    handlers = logging.getLogger("poise").handlers[:]
+    try:
+        code = main(list(args))
+    finally:  # main() points poise's log handler at the captured stderr; put the old one back
+        logging.getLogger("poise").handlers[:] = handlers
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def _popen_poise(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "poise", *args], cwd=ROOT, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.mark.timeout(90)
-def test_up_is_idempotent_shapes_both_directions_and_down_twice_is_fine(cluster_name):
-    proc = run_poise("cluster", "up", "--nodes", "2", "--name", cluster_name, "--link", "100mbit", timeout_s=60)
-    assert proc.returncode == 0, proc.stderr
+def test_up_is_idempotent_shapes_both_directions_and_down_twice_is_fine(cluster_name, capsys):
+    code, _, err = _cli(capsys, "cluster", "up", "--nodes", "2", "--name", cluster_name, "--link", "100mbit")
+    assert code == 0, err
     state = ClusterState.load(cluster_name)
     assert state is not None and state.phase == "up"
     assert sorted(poise_namespaces(owned_prefix(cluster_name))) == sorted(state.namespaces)
@@ -59,29 +74,28 @@ def test_up_is_idempotent_shapes_both_directions_and_down_twice_is_fine(cluster_
             assert re.search(r"qdisc tbf 1: root .*rate 100Mbit", _qdisc(where, dev)), (where, dev)
         assert "master br0" in net.run("ip", "-n", switch, "link", "show", f"n{node}").stdout
 
-    again = run_poise("cluster", "up", "--nodes", "2", "--name", cluster_name, "--link", "100mbit", timeout_s=60)
-    assert again.returncode == 0, again.stderr
+    code, _, err = _cli(capsys, "cluster", "up", "--nodes", "2", "--name", cluster_name, "--link", "100mbit")
+    assert code == 0, err
     assert ClusterState.load(cluster_name) == state  # unchanged, same subnet
-    other = run_poise("cluster", "up", "--nodes", "3", "--name", cluster_name, timeout_s=60)
-    assert other.returncode == 2 and "is already up with 2 node(s)" in other.stderr
-    assert len(other.stderr.strip().splitlines()) == 1
+    code, _, err = _cli(capsys, "cluster", "up", "--nodes", "3", "--name", cluster_name)
+    assert code == 2 and "is already up with 2 node(s)" in err and len(err.strip().splitlines()) == 1
 
-    status = run_poise("cluster", "status", timeout_s=60)
-    assert status.returncode == 0 and cluster_name in status.stdout and "100mbit" in status.stdout
+    code, out, _ = _cli(capsys, "cluster", "status")
+    assert code == 0 and cluster_name in out and "100mbit" in out
     for _ in range(2):
-        down = run_poise("cluster", "down", "--name", cluster_name, timeout_s=60)
-        assert down.returncode == 0, down.stderr
+        code, out, err = _cli(capsys, "cluster", "down", "--name", cluster_name)
+        assert code == 0, err
         assert poise_namespaces(owned_prefix(cluster_name)) == []
         assert ClusterState.load(cluster_name) is None
-    assert "nothing to remove" in down.stdout
+    assert "nothing to remove" in out
 
 
 @pytest.mark.timeout(90)
-def test_check_measures_a_shaped_link(cluster_name, tmp_path):
-    assert run_poise("cluster", "up", "--nodes", "2", "--name", cluster_name, "--link", "40mbit").returncode == 0
+def test_check_measures_a_shaped_link(cluster_name, tmp_path, capsys):
+    assert _cli(capsys, "cluster", "up", "--nodes", "2", "--name", cluster_name, "--link", "40mbit")[0] == 0
     out = tmp_path / "check.json"
-    proc = run_poise("cluster", "check", "--name", cluster_name, "--megabytes", "2", "--json", str(out), timeout_s=60)
-    assert proc.returncode == 0, proc.stderr
+    code, _, err = _cli(capsys, "cluster", "check", "--name", cluster_name, "--megabytes", "2", "--json", str(out))
+    assert code == 0, err
     result = json.loads(out.read_text())
     assert [(t["src"], t["dst"]) for t in result["transfers"]] == [(0, 1), (1, 0)]
     for transfer in result["transfers"]:
@@ -91,7 +105,7 @@ def test_check_measures_a_shaped_link(cluster_name, tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_a_killed_up_leaves_nothing_the_next_up_or_down_cannot_clean(cluster_name):
+def test_a_killed_up_leaves_nothing_the_next_up_or_down_cannot_clean(cluster_name, capsys):
     state_file = Path(os.environ["POISE_CLUSTER_STATE_DIR"]) / f"{cluster_name}.json"
     prefix = owned_prefix(cluster_name)
     for cleaner in ("up", "down"):
@@ -105,18 +119,18 @@ def test_a_killed_up_leaves_nothing_the_next_up_or_down_cannot_clean(cluster_nam
         assert recorded["phase"] == "creating"  # killed half way
         assert 3 <= len(poise_namespaces(prefix)) < 13
         if cleaner == "up":
-            fresh = run_poise("cluster", "up", "--nodes", "2", "--name", cluster_name, timeout_s=60)
-            assert fresh.returncode == 0, fresh.stderr
+            code, _, err = _cli(capsys, "cluster", "up", "--nodes", "2", "--name", cluster_name)
+            assert code == 0, err
             assert sorted(poise_namespaces(prefix)) == sorted(f"{prefix}{s}" for s in ("sw", "n0", "n1"))
-        down = run_poise("cluster", "down", "--name", cluster_name, timeout_s=60)
-        assert down.returncode == 0, down.stderr
+        code, _, err = _cli(capsys, "cluster", "down", "--name", cluster_name)
+        assert code == 0, err
         assert poise_namespaces(prefix) == [] and not state_file.exists()
 
 
 @pytest.mark.timeout(150)
-def test_two_nodes_train_across_namespaces(cluster_name, tmp_path):
-    up = run_poise("cluster", "up", "--nodes", "2", "--procs-per-node", "1", "--name", cluster_name, timeout_s=60)
-    assert up.returncode == 0, up.stderr
+def test_two_nodes_train_across_namespaces(cluster_name, tmp_path, capsys):
+    code, _, err = _cli(capsys, "cluster", "up", "--nodes", "2", "--procs-per-node", "1", "--name", cluster_name)
+    assert code == 0, err
     out = tmp_path / "run"
     proc = run_poise("cluster", "run", "--name", cluster_name, "--", "poise", "train", "--task", "digits",
                      "--steps", "6", "--out", str(out), *QUIET, timeout_s=130)
@@ -145,28 +159,53 @@ def test_a_failing_node_is_named_and_its_cluster_removed(cluster_support, state_
     assert poise_namespaces(owned_prefix(name)) == [] and list(state_dir.glob("*.json")) == []
 
 
-@pytest.mark.timeout(150)
-def test_a_killed_job_is_cleaned_by_the_next_up(cluster_name, state_dir, tmp_path):
-    job = _popen_poise("train", "--cluster", "2:1", "--task", "digits", "--steps", "1000000",
-                       "--out", str(tmp_path), *QUIET)
-    try:
-        def workers_running() -> bool:
-            states = [ClusterState(**json.loads(p.read_text())) for p in state_dir.glob("job*.json")]
-            return bool(states) and states[0].phase == "up" and all(
-                len(net.namespace_pids(node_namespace(states[0].name, i))) >= 2 for i in range(2))
+def _start_endless_job(state_dir: Path, out: Path) -> tuple[subprocess.Popen[str], ClusterState]:
+    """A ``poise train --cluster 2:1`` job, returned once both nodes run their agent and worker."""
+    job = _popen_poise("train", "--cluster", "2:1", "--task", "digits", "--steps", "1000000", "--out", str(out),
+                       *QUIET)
 
+    def workers_running() -> bool:
+        states = [ClusterState(**json.loads(p.read_text())) for p in state_dir.glob("job*.json")]
+        return bool(states) and states[0].phase == "up" and all(
+            len(net.namespace_pids(node_namespace(states[0].name, i))) >= 2 for i in range(2))
+
+    try:
         _wait_for(workers_running, 120, "the job's agents and workers to start")
-    finally:
-        job.kill()  # SIGKILL: the front end cannot clean up
+    except BaseException:
+        job.kill()
         job.wait()
+        raise
+    (path,) = state_dir.glob("job*.json")
+    return job, ClusterState(**json.loads(path.read_text()))
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_the_job_and_removes_its_cluster(cluster_support, state_dir, tmp_path):
+    job, state = _start_endless_job(state_dir, tmp_path)
+    pids = [p for ns in state.namespaces for p in net.namespace_pids(ns)]
+    try:
+        job.send_signal(signal.SIGINT)
+        assert job.wait(timeout=60) == 130
+    finally:
+        job.kill()
+        job.wait()
+    assert poise_namespaces(owned_prefix(state.name)) == [] and list(state_dir.glob("*.json")) == []
+    assert not any(net.is_running(p) for p in pids)
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_job_is_cleaned_by_the_next_up(cluster_name, state_dir, tmp_path, capsys):
+    job, _ = _start_endless_job(state_dir, tmp_path)
+    job.kill()  # SIGKILL: the front end cannot clean up
+    job.wait()
     (stale_file,) = state_dir.glob("job*.json")
     stale = ClusterState(**json.loads(stale_file.read_text()))
     pids = [p for ns in stale.namespaces for p in net.namespace_pids(ns)]
     assert pids and stale.is_stale()
-    status = run_poise("cluster", "status", timeout_s=60)
-    assert "stale" in status.stdout
-    proc = run_poise("cluster", "up", "--nodes", "1", "--name", cluster_name, timeout_s=60)
-    assert proc.returncode == 0, proc.stderr
+    code, out, _ = _cli(capsys, "cluster", "status")
+    assert code == 0 and "stale" in out
+    code, _, err = _cli(capsys, "cluster", "up", "--nodes", "1", "--name", cluster_name)
+    assert code == 0, err
     assert poise_namespaces(owned_prefix(stale.name)) == [] and not stale_file.exists()
     assert not any(net.is_running(p) for p in pids)
 
@@ -186,11 +225,11 @@ def test_not_root_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_delay_needs_netem(cluster_name):
-    proc = run_poise("cluster", "up", "--nodes", "2", "--name", cluster_name, "--delay", "2ms", timeout_s=50)
+def test_delay_needs_netem(cluster_name, capsys):
+    code, _, err = _cli(capsys, "cluster", "up", "--nodes", "2", "--name", cluster_name, "--delay", "2ms")
     if net.netem_available():
-        assert proc.returncode == 0, proc.stderr
+        assert code == 0, err
         assert "netem" in _qdisc(node_namespace(cluster_name, 0), "eth0")
     else:
-        assert proc.returncode == 2 and "lacks" in proc.stderr and "netem" in proc.stderr
+        assert code == 2 and "lacks" in err and "netem" in err and len(err.strip().splitlines()) == 1
         assert poise_namespaces(owned_prefix(cluster_name)) == []

@@ -33,6 +33,9 @@ BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_STRATEGIES = ("static", "cost", "dynamic")
 # Gradient codecs (poise.comm.codecs.CODECS) plus torch's own hooks, for comparison.
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16", "torch-powersgd")
+# poise.balance.partition.METHODS and poise.pipeline.stage.SCHEDULES, by name.
+PARTITION_METHODS = ("exact", "uniform", "parameters", "greedy")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
 MAX_LOCAL_WORKERS = 64
 
@@ -234,6 +237,10 @@ class CommConfig:
     int8_chunk_size: int = _field(1024, "int8: entries per scale (one fp32 scale per chunk)")
     start_step: int = _field(2, "steps run uncompressed first (DDP rebuilds buckets after step 1)")
     on_nonfinite: str = _field("error", "NaN/Inf in a gradient: 'error' stops, 'skip' skips the step and logs")
+    bucket_mb: float = _field(
+        25.0, "DDP gradient bucket size in MB (2**20 bytes): smaller buckets start communicating earlier in "
+        "backward, larger ones send fewer messages"
+    )
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_NAMES:
@@ -244,6 +251,7 @@ class CommConfig:
         _positive("comm", "int8_chunk_size", self.int8_chunk_size, allow_none=False)
         if self.start_step < 0:
             raise ValueError(f"comm.start_step={self.start_step} must be >= 0")
+        _positive("comm", "bucket_mb", self.bucket_mb, allow_none=False)
         if self.on_nonfinite not in ("error", "skip"):
             raise ValueError(f"comm.on_nonfinite={self.on_nonfinite!r} is unknown: allowed are error, skip")
 
@@ -318,6 +326,49 @@ class FaultConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline parallelism (``poise pipeline``): one stage per worker, see poise/pipeline/."""
+
+    schedule: str = _field("1f1b", f"pipeline schedule: {', '.join(PIPELINE_SCHEDULES)}")
+    micro_batches: int = _field(4, "micro-batches per step (train.batch_size samples are cut into this many)")
+    partition: str = _field("exact", f"how layers are split into stages: {', '.join(PARTITION_METHODS)}")
+    link_bandwidth_bytes_per_s: float = _field(
+        0.0, "link bandwidth between stages for the plan's communication cost (0 = not modelled)"
+    )
+    memory_cap_bytes: float = _field(0.0, "most bytes one stage may hold, exact plan only (0 = no cap)")
+    profile_repeats: int = _field(5, "timed runs per layer when profiling (median is used)")
+    profile_warmup: int = _field(2, "untimed runs per layer before profiling")
+    warmup_steps: int = _field(2, "first steps left out of the measured stage times")
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline.schedule={self.schedule!r} is unknown: allowed are {', '.join(PIPELINE_SCHEDULES)}"
+            )
+        if self.partition not in PARTITION_METHODS:
+            raise ValueError(
+                f"pipeline.partition={self.partition!r} is unknown: allowed are {', '.join(PARTITION_METHODS)}"
+            )
+        _positive("pipeline", "micro_batches", self.micro_batches, allow_none=False)
+        _positive("pipeline", "profile_repeats", self.profile_repeats, allow_none=False)
+        if self.link_bandwidth_bytes_per_s < 0 or self.memory_cap_bytes < 0:
+            raise ValueError(
+                f"pipeline.link_bandwidth_bytes_per_s={self.link_bandwidth_bytes_per_s} and "
+                f"pipeline.memory_cap_bytes={self.memory_cap_bytes} must be >= 0"
+            )
+        if self.profile_warmup < 0 or self.warmup_steps < 0:
+            raise ValueError(
+                f"pipeline.profile_warmup={self.profile_warmup} and pipeline.warmup_steps={self.warmup_steps} "
+                "must be >= 0"
+            )
+        if self.memory_cap_bytes and self.partition != "exact":
+            raise ValueError(
+                f"pipeline.memory_cap_bytes={self.memory_cap_bytes:g} needs pipeline.partition='exact', "
+                f"not {self.partition!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """A whole run: the sections above plus where outputs go."""
 
@@ -330,6 +381,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         if self.train.batch_tokens is not None and self.task.name != "code-lm":

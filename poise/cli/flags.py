@@ -32,6 +32,7 @@ ALIASES = {
     "--rank-speed": "balance.rank_speed",
     "--codec": "comm.codec",
     "--topk-ratio": "comm.topk_ratio",
+    "--bucket-mb": "comm.bucket_mb",
     "--link": "cluster.link",
 }
 # On/off switches: --NAME sets the boolean setting true, --no-NAME false.
@@ -60,11 +61,12 @@ def _fields() -> dict[str, tuple[Any, str]]:
     return out
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE``, the aliases and every ``--section.field`` flag to ``parser``."""
+def add_config_flags(parser: argparse.ArgumentParser, extra_aliases: dict[str, str] | None = None) -> None:
+    """Add ``--config FILE``, the aliases (plus a command's own ``extra_aliases``) and every
+    ``--section.field`` flag to ``parser``."""
     parser.add_argument("--config", metavar="FILE", help="TOML config file (flags override it)")
     fields = _fields()
-    for flag, key in ALIASES.items():
+    for flag, key in {**ALIASES, **(extra_aliases or {})}.items():
         parser.add_argument(flag, dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V",
                             help=f"{fields[key][1]} (= --{key})")
     for flag, key in SWITCHES.items():

@@ -37,7 +37,10 @@ def default_out_dir() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
 
-def launcher_args(dist: cfg.DistConfig, config_path: Path) -> list[str]:
+WORKER_MODULE = "poise.runtime.worker"
+
+
+def launcher_args(dist: cfg.DistConfig, config_path: Path, module: str = WORKER_MODULE) -> list[str]:
     """torchrun arguments for one machine's agent (what a user would type after ``torchrun``)."""
     args = [f"--nproc-per-node={dist.nproc}", f"--nnodes={dist.nnodes}", "--max-restarts=0", "--monitor-interval=0.5"]
     if dist.rdzv_endpoint:
@@ -53,11 +56,13 @@ def launcher_args(dist: cfg.DistConfig, config_path: Path) -> list[str]:
         raise ValueError(f"dist.nnodes={dist.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
     else:
         args.append("--standalone")
-    return [*args, "-m", "poise.runtime.worker", "--config", str(config_path)]
+    return [*args, "-m", module, "--config", str(config_path)]
 
 
-def launch(dist: cfg.DistConfig, config_path: Path) -> int:
-    """Run this machine's workers through torch.distributed.run; returns 0 or 1 (a worker failed)."""
+def launch(dist: cfg.DistConfig, config_path: Path, *, module: str = WORKER_MODULE, command: str = "train") -> int:
+    """Run this machine's workers of ``module`` through torch.distributed.run; returns 0 or 1 (a
+    worker failed). ``command`` names the ``poise`` subcommand in the failure message.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as elastic_run
@@ -67,14 +72,14 @@ def launch(dist: cfg.DistConfig, config_path: Path) -> int:
     if dist.socket_ifname:
         # Without it gloo binds to the address the hostname resolves to, which may be loopback.
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = dist.socket_ifname
-    argv = launcher_args(dist, config_path)
+    argv = launcher_args(dist, config_path, module)
     log.info("launching: torchrun %s", " ".join(argv))
     try:
         elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         sys.stderr.write(
-            f"poise train: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
+            f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
         )
         return 1
     return 0
@@ -94,7 +99,8 @@ def _error_line(message: object) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def run(args: argparse.Namespace) -> int:
+def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
+    """Resolve the flags into a config with an absolute ``out_dir`` and write ``config.toml`` there."""
     config = resolve(args)
     if config.cluster.enabled:
         from poise.cluster import job as cluster_job
@@ -106,13 +112,24 @@ def run(args: argparse.Namespace) -> int:
     # Absolute, so workers started from another directory (or node) write to the same place.
     out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
-    out = Path(config.out_dir)
-    config_path = cfg.save(config, out / "config.toml")
+    config_path = cfg.save(config, Path(config.out_dir) / "config.toml")
     log.info("resolved config written to %s", config_path)
+    return config, config_path.resolve()
+
+
+def launch_job(config: cfg.RunConfig, config_path: Path, *, module: str = WORKER_MODULE, command: str = "train") -> int:
+    """Run the recorded job: on this machine, or across the nodes of its emulated cluster."""
     if config.cluster.enabled:
-        code = cluster_job.run_on_cluster(config, config_path.resolve())
-    else:
-        code = launch(config.dist, config_path.resolve())
+        from poise.cluster.job import run_on_cluster
+
+        return run_on_cluster(config, config_path, module=module, command=command)
+    return launch(config.dist, config_path, module=module, command=command)
+
+
+def run(args: argparse.Namespace) -> int:
+    config, config_path = record_config(args)
+    out = Path(config.out_dir)
+    code = launch_job(config, config_path)
     report_path = out / "report.json"
     if code == 0 and report_path.exists():
         _show_summary(report_path)

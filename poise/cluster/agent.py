@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from poise.cli.train import launch
+from poise.cli.train import WORKER_MODULE, launch
 from poise.config import DistConfig
 from poise.log import setup_logging
 
@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="poise.cluster.agent")
     parser.add_argument("--config", required=True, help="the job's resolved config.toml")
     parser.add_argument("--dist", required=True, help="this node's DistConfig as a JSON object")
+    parser.add_argument("--module", default=WORKER_MODULE, help="the workers' module")
+    parser.add_argument("--command", default="train", help="the poise command, for messages")
     args = parser.parse_args(argv)
     setup_logging()
     try:
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         sys.stderr.write(f"poise.cluster.agent: error: {exc}\n")
         return 2
-    return launch(dist, Path(args.config))
+    return launch(dist, Path(args.config), module=args.module, command=args.command)
 
 
 if __name__ == "__main__":

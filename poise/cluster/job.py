@@ -79,8 +79,9 @@ def check_job(config: RunConfig) -> None:
         )
 
 
-def run_on_cluster(config: RunConfig, config_path: Path) -> int:
-    """Run the job of ``config`` (saved at ``config_path``) on its emulated cluster.
+def run_on_cluster(config: RunConfig, config_path: Path, *, module: str, command: str) -> int:
+    """Run the job of ``config`` (saved at ``config_path``) on its emulated cluster: the workers
+    of ``module``, for ``poise COMMAND``.
 
     With ``cluster.name`` the named cluster is used as it is; otherwise one of
     ``cluster.nodes`` nodes is brought up for this job and taken down after it.
@@ -92,13 +93,13 @@ def run_on_cluster(config: RunConfig, config_path: Path) -> int:
     spec = config.cluster
     if spec.name:
         with _terminate_as_interrupt():
-            return _run_agents(_existing(spec.name), config, config_path)
+            return _run_agents(_existing(spec.name), config, config_path, module, command)
     name = f"job{os.getpid()}_{secrets.token_hex(2)}"
     with _terminate_as_interrupt():
         try:
             state = topology.up(name, spec.nodes, config.dist.nproc, spec.link_rate_bit_per_s, spec.delay_s,
                                 owned_by_this_process=True)
-            return _run_agents(state, config, config_path)
+            return _run_agents(state, config, config_path, module, command)
         finally:
             topology.down(name)
 
@@ -120,7 +121,7 @@ def _existing(name: str) -> ClusterState:
     return state
 
 
-def _run_agents(state: ClusterState, config: RunConfig, config_path: Path) -> int:
+def _run_agents(state: ClusterState, config: RunConfig, config_path: Path, module: str, command: str) -> int:
     namespaces = [node_namespace(state.name, i) for i in range(state.nodes)]
     busy = [ns for ns in namespaces if net.namespace_pids(ns)]
     if busy:
@@ -128,7 +129,7 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path) -> in
     logs = Path(config.out_dir) / "cluster"
     logs.mkdir(parents=True, exist_ok=True)
     rdzv_id = f"{state.name}-{secrets.token_hex(4)}"
-    threads = threads_for(config.dist, state.nodes * config.dist.nproc)
+    threads = threads_for(config, config.dist.nproc)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     log.info("job %s on cluster %s: %d node(s) x %d worker(s), %s links, logs in %s",
              rdzv_id, state.name, state.nodes, config.dist.nproc, state.link, logs)
@@ -136,10 +137,11 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path) -> in
     try:
         for node, ns in enumerate(namespaces):
             dist = node_dist(state, config.dist, node, rdzv_id)
-            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "poise.cluster.agent",
-                    "--config", str(config_path), "--dist", json.dumps(dataclasses.asdict(dist))]
+            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "poise.cluster.agent", "--config",
+                    str(config_path), "--dist", json.dumps(dataclasses.asdict(dist)), "--module", module,
+                    "--command", command]
             agents.append(_Agent(node, argv, env, logs / f"node{node}.log", echo=node == 0))
-        return _wait(agents)
+        return _wait(agents, command)
     finally:
         for agent in agents:
             agent.stop()
@@ -151,7 +153,7 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path) -> in
             agent.close()
 
 
-def _wait(agents: list[_Agent]) -> int:
+def _wait(agents: list[_Agent], command: str) -> int:
     """Wait for every agent; returns 0, or 1 after naming the first that failed."""
     first_failure: _Agent | None = None
     failed_at = 0.0
@@ -170,7 +172,7 @@ def _wait(agents: list[_Agent]) -> int:
         return 0
     first_failure.reader.join(timeout=5.0)
     sys.stderr.write(
-        f"poise train: node {first_failure.node} failed (exit code {first_failure.proc.returncode}): "
+        f"poise {command}: node {first_failure.node} failed (exit code {first_failure.proc.returncode}): "
         f"{first_failure.failure_line()} (log: {first_failure.log_path})\n"
     )
     return 1

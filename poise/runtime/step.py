@@ -72,6 +72,7 @@ def train_step(
     t3 = time.perf_counter()
     # No bucket reached the hook only if nothing needs a gradient; then there was no comm.
     ready = probe.last_ready_s if probe.last_ready_s is not None else t3
+    comm_busy_s, comm_hidden_s = probe.comm_overlap(compute_end_s=ready)
 
     # The total norm is needed anyway for clipping; it also tells whether the gradient is finite.
     norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm if grad_clip_norm > 0 else math.inf)
@@ -102,5 +103,7 @@ def train_step(
         raw_bytes=stats.raw_bytes,
         wire_bytes=stats.wire_bytes,
         codec_s=stats.encode_s + stats.decode_s,
+        comm_busy_s=comm_busy_s,
+        comm_hidden_s=comm_hidden_s,
         skipped=int(skipped),
     )

@@ -89,9 +89,11 @@ def wrap_model(
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
     comm_hooks.check_backend(config.comm, ctx.backend)
-    bucket_cap_mb = 25.0  # DDP's default
+    bucket_cap_mb = config.comm.bucket_mb
     if comm_hooks.requires_single_bucket(config.comm):
         bucket_cap_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+        log.info("comm.codec=%r needs a single bucket on gloo: bucket size %.1f MB instead of comm.bucket_mb",
+                 config.comm.codec, bucket_cap_mb)
     ddp = DistributedDataParallel(
         model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb
     )
@@ -105,8 +107,7 @@ def wrap_model(
 def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     """Run the configured job on this rank; rank 0 writes the outputs and returns the report."""
     started = time.perf_counter()
-    # The nodes of an emulated cluster all share this machine's cores.
-    threads = rdist.threads_for(config.dist, ctx.local_world_size * max(1, config.cluster.nodes))
+    threads = rdist.threads_for(config, ctx.local_world_size)
     torch.set_num_threads(threads)
     seed_everything(config.train.seed, ctx.rank)
     task = build_task_once_per_node(config, ctx)

@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from poise import config as cfg
-from poise.cli.launch import launch
+from poise.cli.train import launch
 from poise.diagnostics import busbw
 
 DIAGNOSTICS: dict[str, ModuleType] = {"busbw": busbw}
@@ -42,4 +42,5 @@ def run(args: argparse.Namespace) -> int:
                           rdzv_endpoint=args.rdzv_endpoint, backend=args.backend)
     # absolute, so every worker (and node) writes to the same place
     args.out = str(Path(args.out or module.default_out_dir()).resolve())
-    return launch(dist, module.__name__, module.forwarded_argv(args), f"poise diagnose {args.diagnostic}")
+    return launch(dist, None, module=module.__name__, command=f"diagnose {args.diagnostic}",
+                  module_args=module.forwarded_argv(args))

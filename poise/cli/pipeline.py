@@ -1,7 +1,7 @@
 """``poise pipeline``: split code-lm's transformer into balanced stages and train it as a pipeline.
 
 One stage per worker (``--stages P``, the same as ``--nproc``), launched exactly as
-``poise train`` launches its workers (torch's elastic launcher, :func:`poise.cli.launch.launch`),
+``poise train`` launches its workers (torch's elastic launcher, :func:`poise.cli.train.launch`),
 running :mod:`poise.pipeline.worker`. Prints the plan and the measured vs predicted balance.
 """
 
@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.cli.flags import add_config_flags
-from poise.cli.launch import launch
-from poise.cli.train import record_config
+from poise.cli.train import launch_job, record_config
 from poise.log import make_console
 
 WORKER_MODULE = "poise.pipeline.worker"
@@ -38,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     config, config_path = record_config(args)
     check_config(config, config.train.batch_size)  # fail here, in one line, before starting workers
-    code = launch(config.dist, WORKER_MODULE, ["--config", str(config_path)], "poise pipeline")
+    code = launch_job(config, config_path, module=WORKER_MODULE, command="pipeline")
     report_path = Path(config.out_dir) / "report.json"
     if code == 0 and report_path.exists():
         show_report(json.loads(report_path.read_text()))

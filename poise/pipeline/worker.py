@@ -135,7 +135,7 @@ def layer_names(num_blocks: int) -> list[str]:
 def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     """Profile, plan, train this rank's stage; rank 0 writes and returns the report."""
     started = time.perf_counter()
-    torch.set_num_threads(rdist.threads_for(config.dist, ctx.local_world_size))
+    torch.set_num_threads(rdist.threads_for(config, ctx.local_world_size))
     seed_everything(config.train.seed, ctx.rank)
     check_config(config, config.train.batch_size)
     task = build_task_once_per_node(config, ctx)

@@ -125,13 +125,14 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
     return config, config_path.resolve()
 
 
-def launch_job(config: cfg.RunConfig, config_path: Path, *, module: str = WORKER_MODULE, command: str = "train") -> int:
+def launch_job(config: cfg.RunConfig, config_path: Path | None, *, module: str = WORKER_MODULE,
+               command: str = "train", module_args: Sequence[str] | None = None) -> int:
     """Run the recorded job: on this machine, or across the nodes of its emulated cluster."""
     if config.cluster.enabled:
         from poise.cluster.job import run_on_cluster
 
-        return run_on_cluster(config, config_path, module=module, command=command)
-    return launch(config.dist, config_path, module=module, command=command)
+        return run_on_cluster(config, config_path, module=module, command=command, module_args=module_args)
+    return launch(config.dist, config_path, module=module, command=command, module_args=module_args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """One node's launcher, run inside that node's namespace by :mod:`poise.cluster.job`.
 
-``ip netns exec <ns> python -m poise.cluster.agent --config FILE --dist JSON`` starts torch's
+``ip netns exec <ns> python -m poise.cluster.agent --config FILE --dist JSON`` (or
+``--module-args JSON`` instead of ``--config``, for ``poise diagnose``) starts torch's
 elastic agent for this node exactly as ``poise train`` does on a real machine, with the node's
 :class:`poise.config.DistConfig` (node rank, rendezvous endpoint, local address, interface)
 given as JSON. The job's ``config.toml`` is the same file on every node.
@@ -21,7 +22,9 @@ from poise.log import setup_logging
 def main(argv: list[str] | None = None) -> int:
     """Run this node's workers; returns 0, 1 (a worker failed) or 2 (bad arguments)."""
     parser = argparse.ArgumentParser(prog="poise.cluster.agent")
-    parser.add_argument("--config", required=True, help="the job's resolved config.toml")
+    parser.add_argument("--config", default=None, help="the job's resolved config.toml")
+    parser.add_argument("--module-args", default=None,
+                        help="JSON list of the workers' arguments, instead of --config (poise diagnose)")
     parser.add_argument("--dist", required=True, help="this node's DistConfig as a JSON object")
     parser.add_argument("--module", default=WORKER_MODULE, help="the workers' module")
     parser.add_argument("--command", default="train", help="the poise command, for messages")
@@ -32,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         sys.stderr.write(f"poise.cluster.agent: error: {exc}\n")
         return 2
-    return launch(dist, Path(args.config), module=args.module, command=args.command)
+    module_args = json.loads(args.module_args) if args.module_args is not None else None
+    config_path = Path(args.config) if args.config is not None else None
+    return launch(dist, config_path, module=args.module, command=args.command, module_args=module_args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -79,12 +79,14 @@ def check_job(config: RunConfig) -> None:
         )
 
 
-def run_on_cluster(config: RunConfig, config_path: Path, *, module: str, command: str) -> int:
+def run_on_cluster(config: RunConfig, config_path: Path | None, *, module: str, command: str,
+                   module_args: Sequence[str] | None = None) -> int:
     """Run the job of ``config`` (saved at ``config_path``) on its emulated cluster: the workers
     of ``module``, for ``poise COMMAND``.
 
     With ``cluster.name`` the named cluster is used as it is; otherwise one of
-    ``cluster.nodes`` nodes is brought up for this job and taken down after it.
+    ``cluster.nodes`` nodes is brought up for this job and taken down after it. ``module_args``
+    replace ``--config config_path`` on the workers' command line (``poise diagnose``).
 
     Returns:
         0, or 1 when an agent failed (a line naming the node and rank goes to stderr).
@@ -93,13 +95,13 @@ def run_on_cluster(config: RunConfig, config_path: Path, *, module: str, command
     spec = config.cluster
     if spec.name:
         with _terminate_as_interrupt():
-            return _run_agents(_existing(spec.name), config, config_path, module, command)
+            return _run_agents(_existing(spec.name), config, config_path, module, command, module_args)
     name = f"job{os.getpid()}_{secrets.token_hex(2)}"
     with _terminate_as_interrupt():
         try:
             state = topology.up(name, spec.nodes, config.dist.nproc, spec.link_rate_bit_per_s, spec.delay_s,
                                 owned_by_this_process=True)
-            return _run_agents(state, config, config_path, module, command)
+            return _run_agents(state, config, config_path, module, command, module_args)
         finally:
             topology.down(name)
 
@@ -121,7 +123,8 @@ def _existing(name: str) -> ClusterState:
     return state
 
 
-def _run_agents(state: ClusterState, config: RunConfig, config_path: Path, module: str, command: str) -> int:
+def _run_agents(state: ClusterState, config: RunConfig, config_path: Path | None, module: str, command: str,
+                module_args: Sequence[str] | None) -> int:
     namespaces = [node_namespace(state.name, i) for i in range(state.nodes)]
     busy = [ns for ns in namespaces if net.namespace_pids(ns)]
     if busy:
@@ -137,9 +140,12 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path, modul
     try:
         for node, ns in enumerate(namespaces):
             dist = node_dist(state, config.dist, node, rdzv_id)
-            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "poise.cluster.agent", "--config",
-                    str(config_path), "--dist", json.dumps(dataclasses.asdict(dist)), "--module", module,
-                    "--command", command]
+            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "poise.cluster.agent",
+                    "--dist", json.dumps(dataclasses.asdict(dist)), "--module", module, "--command", command]
+            if config_path is not None:
+                argv += ["--config", str(config_path)]
+            if module_args is not None:
+                argv += ["--module-args", json.dumps(list(module_args))]
             agents.append(_Agent(node, argv, env, logs / f"node{node}.log", echo=node == 0))
         return _wait(agents, command)
     finally:

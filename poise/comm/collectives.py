@@ -522,26 +522,33 @@ class Hierarchical(_ThreadedCollective):
             lives at the leader, and its result is ``sum over nodes of decode(encode(node
             sum))`` for a summable codec.
         segment_bytes: pipeline segment of the uncompressed path, bytes.
+        compressed: whether the inter-node step goes through a reducer. It must be the same
+            on every rank, leaders or not, because the two paths post different operations
+            inside the node (whole tensors, not segments); default: ``inter_node is not None``.
     """
 
     name: ClassVar[str] = "hierarchical"
 
     def __init__(self, topology: Topology, inter_node: Reducer | None = None,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, compressed: bool | None = None) -> None:
         super().__init__(topology)
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes={segment_bytes} must be positive")
         self.inter_node = inter_node
         self.segment_bytes = segment_bytes
+        self.compressed = inter_node is not None if compressed is None else compressed
+        if self.compressed and topology.is_leader and topology.layout.num_nodes > 1 and inter_node is None:
+            raise ValueError("a compressing hierarchical all-reduce needs the inter-node reducer on every leader")
 
     def with_inter_node(self, inter_node: Reducer | None) -> Hierarchical:
-        """The same topology (groups, thread) and segments with another inter-node step."""
-        return Hierarchical(self.topology, inter_node, self.segment_bytes)
+        """The same topology (groups, thread) and segments, compressing between nodes through
+        ``inter_node``: call it on every rank, with the reducer on leaders and None elsewhere."""
+        return Hierarchical(self.topology, inter_node, self.segment_bytes, compressed=True)
 
     def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
         if tensor.numel() == 0:
             return tensor
-        if self.inter_node is not None:
+        if self.compressed:
             return self._all_reduce_compressed(tensor, key, shapes)
         topo = self.topology
         flat = tensor.view(-1)

@@ -172,9 +172,10 @@ def _two_nodes(rank: int, world_size: int) -> dict:
     out["stats"] = {}
     for codec in ("fp16", "topk", "powersgd"):
         out["stats"][codec] = {}
+        # segments smaller than a bucket: non-leaders must still follow the compressed path
         out["ddp"][f"hierarchical+{codec}"] = _train(
-            rank, CommConfig(collective="hierarchical", codec=codec, topk_ratio=0.2, start_step=1), topology,
-            out["stats"][codec])
+            rank, CommConfig(collective="hierarchical", codec=codec, topk_ratio=0.2, start_step=1, segment_bytes=512),
+            topology, out["stats"][codec])
     topology.close()
     return out
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from poise.bench import balance, codecs, partition, scaling
+from poise.bench import balance, codecs, network, partition, scaling
 
 FAMILIES: dict[str, ModuleType] = {
-    "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition,
+    "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "network": network,
 }
 
 

@@ -37,7 +37,7 @@ from poise.log import setup_logging
 from poise.pipeline.plan import StagePlan, plan_stages
 from poise.pipeline.stage import StageRunner, TokenLoss, stage_layers
 from poise.runtime import dist as rdist
-from poise.runtime.worker import build_task_once_per_node, lr_schedule, seed_everything
+from poise.runtime.worker import build_task_once_per_node, lr_schedule, make_optimizer, seed_everything
 from poise.tasks.base import IGNORE_INDEX, Batch, Task
 
 # By name: run as `-m poise.pipeline.worker`, __name__ would be "__main__", outside "poise".
@@ -158,7 +158,7 @@ def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
                  " | ".join("+".join(s) for s in plan.stage_layers), plan.compute_balance)
     module = stage_layers(layers, plan.boundaries, ctx.rank)
     del model, layers  # this rank keeps its own stage only
-    optimizer = torch.optim.AdamW(module.parameters(), lr=tc.lr or task.default_lr, weight_decay=tc.weight_decay)
+    optimizer = make_optimizer(module.parameters(), config, task)
     scheduler = lr_schedule(optimizer, tc.warmup_steps, total_steps)
     runner = StageRunner(module, stage_index=ctx.rank, num_stages=ctx.world_size, schedule=pc.schedule,
                          num_micro_batches=pc.micro_batches, optimizer=optimizer,

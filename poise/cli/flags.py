@@ -32,9 +32,18 @@ ALIASES = {
     "--rank-speed": "balance.rank_speed",
     "--codec": "comm.codec",
     "--topk-ratio": "comm.topk_ratio",
+    "--max-restarts": "dist.max_restarts",
+    "--fail-at": "faults.fail_at",
+    "--checkpoint-every": "checkpoint.every_steps",
+    "--checkpoint-dir": "checkpoint.dir",
 }
 # On/off switches: --NAME sets the boolean setting true, --no-NAME false.
-SWITCHES = {"--error-feedback": "comm.error_feedback"}
+SWITCHES = {
+    "--error-feedback": "comm.error_feedback",
+    "--resume": "checkpoint.resume",
+    "--checkpoint-async": "checkpoint.async_save",
+    "--checkpoint-differential": "checkpoint.differential",
+}
 _PREFIX = "config:"
 
 

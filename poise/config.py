@@ -90,7 +90,7 @@ class TrainConfig:
     grad_clip_norm: float = _field(1.0, "clip the global gradient norm to this (0 = off)")
     seed: int = _field(0, "seed for the model, data order and every rank's RNG")
     frozen: str = _field(
-        "", "parameter-name prefixes that are not trained, comma-separated (fine-tuning), e.g. 'blocks.0,token_embedding'"
+        "", "parameter-name prefixes kept fixed, comma-separated (fine-tuning), e.g. 'blocks.0,token_embedding'"
     )
 
     def frozen_prefixes(self) -> tuple[str, ...]:
@@ -126,7 +126,7 @@ class DistConfig:
     backend: str = _field("auto", f"process-group backend: {', '.join(BACKENDS)} (auto: nccl with CUDA)")
     timeout_s: float = _field(120.0, "timeout of every collective and store wait, in seconds")
     threads_per_worker: int = _field(0, "torch CPU threads per worker (0 = cores / local workers)")
-    max_restarts: int = _field(0, "times the launcher restarts the workers after one fails (resume: --checkpoint-every)")
+    max_restarts: int = _field(0, "times the launcher restarts the workers after one fails (see --checkpoint-every)")
 
     def __post_init__(self) -> None:
         _positive("dist", "nproc", self.nproc, allow_none=False)

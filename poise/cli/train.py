@@ -39,7 +39,8 @@ def default_out_dir() -> str:
 def launcher_args(config: cfg.RunConfig, config_path: Path) -> list[str]:
     """torchrun arguments for this config (what a user would type after ``torchrun``)."""
     d = config.dist
-    args = [f"--nproc-per-node={d.nproc}", f"--nnodes={d.nnodes}", "--max-restarts=0", "--monitor-interval=0.5"]
+    args = [f"--nproc-per-node={d.nproc}", f"--nnodes={d.nnodes}", f"--max-restarts={d.max_restarts}",
+            "--monitor-interval=0.5"]
     if d.rdzv_endpoint:
         args += [f"--rdzv-backend={d.rdzv_backend}", f"--rdzv-endpoint={d.rdzv_endpoint}", f"--rdzv-id={d.rdzv_id}"]
         if d.node_rank is not None:
@@ -92,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
     out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
     out = Path(config.out_dir)
+    if config.checkpoint.resume:
+        check_resumable(config)
+    if config.dist.max_restarts and not config.checkpoint.every_steps:
+        log.warning("dist.max_restarts=%d without --checkpoint-every: a restarted job starts over from step 0",
+                    config.dist.max_restarts)
     config_path = cfg.save(config, out / "config.toml")
     log.info("resolved config written to %s", config_path)
     code = launch(config, config_path.resolve())
@@ -99,6 +105,33 @@ def run(args: argparse.Namespace) -> int:
     if code == 0 and report_path.exists():
         _show_summary(report_path)
     return code
+
+
+def check_resumable(config: cfg.RunConfig) -> None:
+    """Fail before launching when ``--resume`` has nothing to resume from.
+
+    Raises:
+        ValueError: the checkpoint directory is missing or holds no complete checkpoint.
+    """
+    from poise.checkpoint.layout import CorruptCheckpoint, list_checkpoints, read_manifest
+    from poise.checkpoint.state import config_problems
+
+    root = Path(config.checkpoint_dir)
+    if not root.is_dir():
+        raise ValueError(f"--resume: the checkpoint directory {str(root)!r} does not exist (see --checkpoint-dir)")
+    found = list_checkpoints(root)
+    if not found:
+        raise ValueError(f"--resume: {str(root)!r} holds no checkpoint")
+    for _, path in found:  # the newest readable manifest; the workers verify every file
+        try:
+            manifest = read_manifest(path)
+        except CorruptCheckpoint:
+            continue
+        problems = config_problems(manifest, config)
+        if problems:
+            raise ValueError(f"--resume: checkpoint {path} does not fit this run: {'; '.join(problems[:3])}"
+                             f"{f' (+{len(problems) - 3} more)' if len(problems) > 3 else ''}")
+        return
 
 
 def _show_summary(report_path: Path) -> None:

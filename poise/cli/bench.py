@@ -9,9 +9,11 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from poise.bench import balance, codecs, scaling
+from poise.bench import balance, checkpoint, codecs, scaling
 
-FAMILIES: dict[str, ModuleType] = {"scaling": scaling, "balance": balance, "codecs": codecs}
+FAMILIES: dict[str, ModuleType] = {
+    "scaling": scaling, "balance": balance, "codecs": codecs, "checkpoint": checkpoint,
+}
 
 
 def add_parser(sub: Any) -> None:

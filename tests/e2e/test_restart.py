@@ -1,0 +1,105 @@
+"""Kill-and-resume through the real launcher: a worker dies, torchrun restarts the job, and it
+ends exactly where an uninterrupted run ends (parameters, and samples trained per epoch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from poise.checkpoint import layout
+from poise.runtime.samples import read_samples
+from tests.conftest import run_poise
+
+pytestmark = pytest.mark.e2e
+
+# digits: 1437 training samples, 2 × 32 per step: 22 steps per epoch, 44 in 2 epochs.
+JOB = ("train", "--task", "digits", "--nproc", "2", "--epochs", "2", "--batch-size", "32",
+       "--checkpoint-every", "8", "--diagnostics.record_samples", "true", "--dist.timeout_s", "30",
+       "--diagnostics.progress", "false", "--diagnostics.plot", "false")
+
+
+def final_model(out: Path) -> dict[str, torch.Tensor]:
+    root = out / "checkpoints"
+    _name, manifest = layout.newest_good(root)
+    assert manifest["step"] == 44
+    return layout.load_tensors(root, manifest, "model")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_poise(*JOB, "--out", str(out), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(uninterrupted, tmp_path):
+    proc = run_poise(*JOB, "--fail-at", "1:30", "--max-restarts", "1", "--out", str(tmp_path), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "injected fault: rank 1 kills itself before step 30" in proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["restarts"] == 1
+    assert report["resumed_from"] == "step-00000024" and report["first_step"] == 24
+
+    a, b = final_model(uninterrupted), final_model(tmp_path)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+
+    want, got = read_samples(uninterrupted / "samples"), read_samples(tmp_path / "samples")
+    assert sorted(want) == sorted(got) == [0, 1]
+    for epoch in want:
+        assert len(got[epoch]) == len(set(got[epoch])), f"epoch {epoch}: a sample was trained on twice"
+        assert sorted(got[epoch]) == sorted(want[epoch])
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(uninterrupted, tmp_path):
+    # a copy of the finished run's checkpoints, its newest one bit-flipped
+    root = tmp_path / "checkpoints"
+    for _, path in layout.list_checkpoints(uninterrupted / "checkpoints"):
+        (root / path.name).mkdir(parents=True)
+        for f in path.iterdir():
+            (root / path.name / f.name).write_bytes(f.read_bytes())
+    newest = layout.list_checkpoints(root)[0][1]
+    data = bytearray((newest / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (newest / "model.pt").write_bytes(bytes(data))
+    job = [a if a != "2" or i != JOB.index("--epochs") + 1 else "3" for i, a in enumerate(JOB)]
+    proc = run_poise(*job, "--resume", "--out", str(tmp_path), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping checkpoint step-00000044: step-00000044/model.pt does not match its checksum" in proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["resumed_from"] == "step-00000040"
+    assert report["first_step"] == 40 and report["steps"] == 66 - 40
+
+
+def test_resume_with_another_model_fails_in_one_line(uninterrupted, tmp_path):
+    proc = run_poise(*JOB, "--train.lr", "0.5", "--resume", "--checkpoint-dir", str(uninterrupted / "checkpoints"),
+                     "--out", str(tmp_path), timeout_s=60)
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "does not fit this run: train.lr is" in line and "0.5 now" in line
+
+
+def test_resume_without_a_checkpoint_directory_fails_in_one_line(tmp_path):
+    proc = run_poise(*JOB, "--resume", "--out", str(tmp_path), timeout_s=60)
+    assert proc.returncode == 2
+    assert "checkpoint directory" in proc.stderr and "does not exist" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_resume_on_three_ranks_trains_the_rest_of_the_epoch_once(uninterrupted, tmp_path):
+    """A job that comes back with another world size re-plans the epoch's rest over it."""
+    first = run_poise(*JOB, "--fail-at", "1:30", "--out", str(tmp_path), timeout_s=120)
+    assert first.returncode == 1  # no restarts: the job stops; checkpoint step 24 is on disk
+    job = [a if a != "2" or i != JOB.index("--nproc") + 1 else "3" for i, a in enumerate(JOB)]
+    proc = run_poise(*job, "--resume", "--out", str(tmp_path), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming on 3 ranks from a checkpoint of 2" in proc.stderr
+    want, got = read_samples(uninterrupted / "samples"), read_samples(tmp_path / "samples")
+    assert len(got[1]) == len(set(got[1]))
+    assert sorted(got[1]) == sorted(want[1])  # epoch 1: the interrupted plan's samples, each once
+    assert sorted(got[0]) == sorted(want[0])  # epoch 0 ran before the failure, on 2 ranks

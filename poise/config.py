@@ -89,6 +89,9 @@ class TrainConfig:
     warmup_steps: int = _field(10, "linear learning-rate warm-up, then cosine decay to 10%")
     grad_clip_norm: float = _field(1.0, "clip the global gradient norm to this (0 = off)")
     seed: int = _field(0, "seed for the model, data order and every rank's RNG")
+    accum_steps: int = _field(
+        1, "micro-batches per optimizer step (gradient accumulation); --checkpoint-every, --fail-at count micro-batches"
+    )
     frozen: str = _field(
         "", "parameter-name prefixes kept fixed, comma-separated (fine-tuning), e.g. 'blocks.0,token_embedding'"
     )
@@ -100,6 +103,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr"):
             _positive("train", name, getattr(self, name))
+        _positive("train", "accum_steps", self.accum_steps, allow_none=False)
         if self.steps is not None and self.epochs is not None:
             raise ValueError(
                 f"train.steps={self.steps} and train.epochs={self.epochs} are both set: give one"

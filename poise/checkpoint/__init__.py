@@ -30,7 +30,10 @@ check against the config and parameter shapes before anything is loaded, and re-
 the rest of an epoch when a job comes back with another number of ranks.
 """
 
-from poise.checkpoint.saver import Checkpointer, SaveRecord, find_resume_point, load
+from poise.checkpoint.saver import Checkpointer, SaveRecord, check_fresh_start, find_resume_point, load
 from poise.checkpoint.state import TrainingState, capture, restore
 
-__all__ = ["Checkpointer", "SaveRecord", "TrainingState", "capture", "find_resume_point", "load", "restore"]
+__all__ = [
+    "Checkpointer", "SaveRecord", "TrainingState", "capture", "check_fresh_start", "find_resume_point", "load",
+    "restore",
+]

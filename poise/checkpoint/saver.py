@@ -188,6 +188,21 @@ class Checkpointer:
         return out
 
 
+def check_fresh_start(config: RunConfig) -> None:
+    """A new run that saves checkpoints must not mix them with an earlier run's.
+
+    Raises:
+        ValueError: when the checkpoint directory already holds checkpoints.
+    """
+    root = Path(config.checkpoint_dir)
+    found = layout.list_checkpoints(root)
+    if config.checkpoint.every_steps and not config.checkpoint.resume and found:
+        raise ValueError(
+            f"checkpoint directory {str(root)!r} already holds checkpoints (newest {found[0][1].name}): "
+            "pass --resume to continue from them, or give another --checkpoint-dir / --out"
+        )
+
+
 def find_resume_point(config: RunConfig, *, required: bool) -> tuple[str, dict[str, Any]] | None:
     """The newest good checkpoint in the run's directory (run on rank 0 only).
 
@@ -221,10 +236,30 @@ def load(config: RunConfig, name: str, manifest: dict[str, Any], *, rank: int, w
     tensors = {**layout.load_tensors(root, manifest, "model"), **layout.load_tensors(root, manifest, "optim")}
     shared = layout.load_file(root / name / "state.pt")
     per_rank: dict[str, Any] = {}
-    if manifest["world_size"] == world_size:
+    saved_world = int(manifest["world_size"])
+    if saved_world == world_size:
         per_rank = layout.load_file(root / name / layout.rank_file(rank))
+        grads = per_rank.get("grads")
     else:
         log.warning("resuming on %d ranks from a checkpoint of %d: the rest of the epoch is re-planned; "
                     "RNG states, error-feedback residuals and speed estimates start fresh",
-                    world_size, manifest["world_size"])
-    return TrainingState(tensors, shared, per_rank)
+                    world_size, saved_world)
+        grads = composed_grads(root / name, rank, world_size, saved_world) if shared.get("in_window") else None
+    return TrainingState(tensors, shared, per_rank, grads)
+
+
+def composed_grads(path: Path, rank: int, world_size: int, saved_world: int) -> dict[str, torch.Tensor] | None:
+    """This rank's share of an accumulation window's gradients saved by ``saved_world`` ranks.
+
+    The window's reduction is ``(1/W) Σ_r g_r`` over the saved ranks. New rank ``k`` of ``W'``
+    takes ``(W'/W) Σ_{r ≡ k mod W'} g_r``; averaging those over the ``W'`` new ranks gives the
+    same reduction, so the window completes as if no rank had changed.
+    """
+    out: dict[str, torch.Tensor] | None = None
+    for r in range(rank, saved_world, world_size):
+        grads = layout.load_file(path / layout.rank_file(r)).get("grads") or {}
+        if out is None:
+            out = {k: torch.zeros_like(v) for k, v in grads.items()}
+        for key, grad in grads.items():
+            out[key] += grad * (world_size / saved_world)
+    return out

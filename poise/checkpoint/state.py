@@ -8,7 +8,8 @@ A state has three parts, by who owns them:
   the data schedule's position and plan, the re-planner's shares;
 - ``per_rank``: what differs per rank: RNG states (torch, CUDA, numpy, python), the comm
   hook's state (error-feedback residuals, step count), the re-planner's window of this
-  rank's measurements.
+  rank's measurements, and, for a checkpoint inside a gradient-accumulation window, this
+  rank's gradients summed so far (not yet reduced: they differ per rank).
 
 :func:`fit_problems` compares a saved state with the run about to use it (config settings
 that shape the model, optimizer and data; parameter names and shapes) before anything is
@@ -86,6 +87,9 @@ class TrainingState:
     tensors: dict[str, torch.Tensor]
     shared: dict[str, Any]
     per_rank: dict[str, Any]
+    # this rank's accumulated gradients inside an accumulation window (None outside one); on
+    # another number of ranks, composed from the saved ranks' so that their reduction is unchanged
+    grads: dict[str, torch.Tensor] | None = None
 
 
 def rng_state() -> dict[str, Any]:
@@ -119,8 +123,13 @@ def capture(
     data: DataPlan,
     comm_state: Any,
     world_size: int,
+    in_window: bool = False,
 ) -> TrainingState:
-    """The live state, by reference (the caller copies what must not change under it)."""
+    """The live state, by reference (the caller copies what must not change under it).
+
+    ``in_window``: the step boundary falls inside a gradient-accumulation window, so the
+    gradients accumulated so far are part of the state.
+    """
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
     optim = optimizer.state_dict()
     optim_scalars: dict[str, Any] = {}
@@ -142,7 +151,10 @@ def capture(
         "optim_scalars": optim_scalars,
         "data": data_state,
     }
-    per_rank = {"step": step, "rng": rng_state(), "comm": comm_state.state_dict(), "window": window}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None} if in_window else {}
+    per_rank = {"step": step, "rng": rng_state(), "comm": comm_state.state_dict(), "window": window,
+                "grads": grads or None}
+    shared["in_window"] = bool(grads)
     return TrainingState(tensors, shared, per_rank)
 
 
@@ -173,3 +185,7 @@ def restore(
     if state.per_rank:
         set_rng_state(state.per_rank["rng"])
         comm_state.load_state_dict(state.per_rank["comm"])
+    if state.grads:
+        params = dict(model.named_parameters())
+        for name, grad in state.grads.items():
+            params[name].grad = grad.to(params[name].device).clone()

@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(config.out_dir)
     if config.checkpoint.resume:
         check_resumable(config)
+    else:
+        from poise.checkpoint import check_fresh_start
+
+        check_fresh_start(config)
     if config.dist.max_restarts and not config.checkpoint.every_steps:
         log.warning("dist.max_restarts=%d without --checkpoint-every: a restarted job starts over from step 0",
                     config.dist.max_restarts)

@@ -136,7 +136,9 @@ def build_data_plan(config: RunConfig, task: Task, ctx: DistContext) -> DataPlan
             replan_every_steps=b.replan_every_steps, max_share_change=b.max_share_change,
             fit_alpha=b.fit_alpha, device=ctx.device,
         )
-    return DataPlan(schedule, partitioner, config.total_steps, t.epochs)
+    # The schedule's steps are micro-batches: an optimizer step takes accum_steps of them.
+    micro_steps = None if config.total_steps is None else config.total_steps * t.accum_steps
+    return DataPlan(schedule, partitioner, micro_steps, t.epochs)
 
 
 def loss_scale(batches: list[np.ndarray], rank: int, targets: np.ndarray) -> float:

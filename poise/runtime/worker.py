@@ -130,12 +130,15 @@ def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int) -> tup
     workers, a job that saves checkpoints resumes from its newest good one, if any.
     """
     cc = config.checkpoint
-    if not cc.resume and not (attempt > 0 and cc.every_steps > 0):
+    if not cc.resume and not cc.every_steps:
         return None
     answer: list = [None, None]
     if ctx.is_main:
         try:
-            answer[0] = checkpoint.find_resume_point(config, required=cc.resume and attempt == 0)
+            if cc.resume or attempt > 0:
+                answer[0] = checkpoint.find_resume_point(config, required=cc.resume and attempt == 0)
+            else:
+                checkpoint.check_fresh_start(config)
         except ValueError as exc:
             answer[1] = str(exc)
     dist.broadcast_object_list(answer, src=0)
@@ -158,7 +161,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     total_steps = data.total_steps()
     trainable = [p for p in ddp.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tc.lr or task.default_lr, weight_decay=tc.weight_decay)
-    scheduler = lr_schedule(optimizer, tc.warmup_steps, total_steps)
+    scheduler = lr_schedule(optimizer, tc.warmup_steps, math.ceil(total_steps / tc.accum_steps))
     timeline = Timeline(ctx.rank, ctx.world_size, config.diagnostics.gather_every_steps, ctx.device)
     faults = FaultPlan.from_config(config.faults)
     attempt = restart_count()
@@ -181,7 +184,8 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     def save(steps_done: int) -> None:
         assert saver is not None
         saver.save(checkpoint.capture(step=steps_done, model=ddp.module, optimizer=optimizer, scheduler=scheduler,
-                                      data=data, comm_state=comm_state, world_size=ctx.world_size))
+                                      data=data, comm_state=comm_state, world_size=ctx.world_size,
+                                      in_window=steps_done % tc.accum_steps != 0))
     log.info(
         "training %s: %d params, %d train samples, %d steps, balance %s, codec %s",
         task.name, sum(p.numel() for p in ddp.parameters()), len(task.train_lengths), total_steps,
@@ -200,7 +204,8 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
                 step=step, model=ddp, task=task, indices=mine,
                 loss_scale=loss_scale(batches, ctx.rank, task.train_targets), optimizer=optimizer,
                 scheduler=scheduler, probe=probe, comm_state=comm_state, slowdown=slowdown,
-                grad_clip_norm=tc.grad_clip_norm, device=ctx.device,
+                grad_clip_norm=tc.grad_clip_norm, device=ctx.device, accum_steps=tc.accum_steps,
+                last_micro=(step + 1) % tc.accum_steps == 0 or step + 1 == total_steps,
             )
             if not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
                 raise FloatingPointError(

@@ -15,10 +15,11 @@ from tests.conftest import run_poise
 
 pytestmark = pytest.mark.e2e
 
-# digits: 1437 training samples, 2 × 32 per step: 22 steps per epoch, 44 in 2 epochs.
+# digits: 1437 training samples, 2 × 32 per micro-batch: 22 per epoch, 44 in 2 epochs, two per
+# optimizer step. Checkpoints every 9 micro-batches: 9, 27 fall inside an accumulation window.
 JOB = ("train", "--task", "digits", "--nproc", "2", "--epochs", "2", "--batch-size", "32",
-       "--checkpoint-every", "8", "--diagnostics.record_samples", "true", "--dist.timeout_s", "30",
-       "--diagnostics.progress", "false", "--diagnostics.plot", "false")
+       "--train.accum_steps", "2", "--checkpoint-every", "9", "--diagnostics.record_samples", "true",
+       "--dist.timeout_s", "30", "--diagnostics.progress", "false", "--diagnostics.plot", "false")
 
 
 def final_model(out: Path) -> dict[str, torch.Tensor]:
@@ -42,7 +43,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(uninter
     assert "injected fault: rank 1 kills itself before step 30" in proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["restarts"] == 1
-    assert report["resumed_from"] == "step-00000024" and report["first_step"] == 24
+    assert report["resumed_from"] == "step-00000027" and report["first_step"] == 27  # mid-window
 
     a, b = final_model(uninterrupted), final_model(tmp_path)
     assert a.keys() == b.keys()
@@ -72,8 +73,8 @@ def test_resume_skips_a_corrupt_newest_checkpoint(uninterrupted, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "skipping checkpoint step-00000044: step-00000044/model.pt does not match its checksum" in proc.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["resumed_from"] == "step-00000040"
-    assert report["first_step"] == 40 and report["steps"] == 66 - 40
+    assert report["resumed_from"] == "step-00000036"
+    assert report["first_step"] == 36 and report["steps"] == 66 - 36
 
 
 def test_resume_with_another_model_fails_in_one_line(uninterrupted, tmp_path):
@@ -94,7 +95,7 @@ def test_resume_without_a_checkpoint_directory_fails_in_one_line(tmp_path):
 def test_resume_on_three_ranks_trains_the_rest_of_the_epoch_once(uninterrupted, tmp_path):
     """A job that comes back with another world size re-plans the epoch's rest over it."""
     first = run_poise(*JOB, "--fail-at", "1:30", "--out", str(tmp_path), timeout_s=120)
-    assert first.returncode == 1  # no restarts: the job stops; checkpoint step 24 is on disk
+    assert first.returncode == 1  # no restarts: the job stops; checkpoint 27 (mid-window) is on disk
     job = [a if a != "2" or i != JOB.index("--nproc") + 1 else "3" for i, a in enumerate(JOB)]
     proc = run_poise(*job, "--resume", "--out", str(tmp_path), timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,7 @@ from torch import nn
 
 from poise import config as cfg
 from poise.checkpoint import layout
-from poise.checkpoint.saver import Checkpointer, find_resume_point, load
+from poise.checkpoint.saver import Checkpointer, composed_grads, find_resume_point, load
 from poise.checkpoint.state import TrainingState, fit_problems
 
 
@@ -155,3 +155,16 @@ def test_resume_asked_for_without_checkpoints_is_a_clear_error(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(ValueError, match="holds no complete, intact checkpoint"):
         find_resume_point(_config(tmp_path), required=True)
+
+
+@pytest.mark.parametrize(("saved_world", "world"), [(3, 2), (2, 3), (4, 1)])
+def test_accumulated_gradients_moved_to_another_world_size_reduce_to_the_same_average(tmp_path, saved_world, world):
+    torch.manual_seed(1)
+    grads = [{"w": torch.randn(5, 3), "b": torch.randn(3)} for _ in range(saved_world)]
+    for r, g in enumerate(grads):
+        layout.write_payload(tmp_path, layout.rank_file(r), {"grads": g})
+    composed = [composed_grads(tmp_path, k, world, saved_world) or {} for k in range(world)]
+    for key in ("w", "b"):
+        want = sum(g[key] for g in grads) / saved_world  # DDP's average over the saved ranks
+        got = sum(c[key] for c in composed if key in c) / world  # ... and over the new ranks
+        torch.testing.assert_close(got, want)

@@ -104,3 +104,19 @@ def test_resume_on_three_ranks_trains_the_rest_of_the_epoch_once(uninterrupted, 
     assert len(got[1]) == len(set(got[1]))
     assert sorted(got[1]) == sorted(want[1])  # epoch 1: the interrupted plan's samples, each once
     assert sorted(got[0]) == sorted(want[0])  # epoch 0 ran before the failure, on 2 ranks
+
+
+def test_accumulating_two_half_batches_trains_like_one_full_batch(tmp_path):
+    # static schedule: a rank's two micro-batches of 16 are exactly its batch of 32
+    quick = ("train", "--task", "digits", "--nproc", "2", "--steps", "10", "--checkpoint-every", "100",
+             "--diagnostics.progress", "false", "--diagnostics.plot", "false")
+    whole = run_poise(*quick, "--batch-size", "32", "--out", str(tmp_path / "whole"), timeout_s=120)
+    halves = run_poise(*quick, "--batch-size", "16", "--train.accum_steps", "2", "--out", str(tmp_path / "halves"),
+                       timeout_s=120)
+    assert whole.returncode == 0 and halves.returncode == 0, (whole.stderr + halves.stderr)[-3000:]
+    a_root, b_root = tmp_path / "whole" / "checkpoints", tmp_path / "halves" / "checkpoints"
+    (_, a), (_, b) = layout.newest_good(a_root), layout.newest_good(b_root)
+    assert (a["step"], b["step"]) == (10, 20)  # micro-batches
+    a_model, b_model = layout.load_tensors(a_root, a, "model"), layout.load_tensors(b_root, b, "model")
+    for key in a_model:
+        torch.testing.assert_close(b_model[key], a_model[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -14,8 +14,9 @@ was held up), median write seconds (snapshot end to checkpoint in place), median
 written per checkpoint (full base and differential saves apart), the overhead as a share
 of training time at this run's interval (stall, plus for async runs the slowdown of steps
 against (a), since the writer thread shares the cores), and the stall projected to a
-checkpoint every 50 steps. Restore seconds (verify every file, compose, load) are measured
-here on the newest checkpoint of (c) and (d).
+checkpoint every 50 steps. Restore seconds (find the newest good checkpoint, verify every
+file, compose and read it) are measured here, in one process, on each run's last checkpoint.
+The frozen-layers ratio compares (f)'s differential saves with its own full bases.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ import numpy as np
 
 from poise.bench.harness import output_dir, require_positive, run_train_job, save_results, show_table
 from poise.checkpoint import layout
+from poise.log import make_console
 
 HELP = "checkpoint stall, bytes (full vs differential, frozen layers), restore time (code-lm, 2 workers)"
 # Fine-tuning: the embeddings and every transformer block stay fixed; the final norm and the head train.
 FROZEN = "token_embedding,position_embedding,blocks"
 PROJECT_EVERY_STEPS = 50
+RUNS = ("a-none", "b-sync-full", "c-async-full", "d-async-diff", "e-frozen-full", "f-frozen-diff")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=10, help="steps between checkpoints in (b)-(f)")
     parser.add_argument("--full-every", type=int, default=4, help="(d), (f): every this many saves is a full base")
     parser.add_argument("--frozen", default=FROZEN, help="(e), (f): parameter-name prefixes kept fixed")
+    parser.add_argument("--runs", default=",".join(RUNS), help="runs to do, comma-separated (a-none always runs)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
     parser.add_argument("--out", default="", help="output directory (default runs/bench-checkpoint-<timestamp>)")
     parser.add_argument("train_args", nargs="*", help="extra 'poise train' flags for every run, after --")
@@ -87,6 +91,10 @@ def summarize(name: str, report: dict[str, Any], baseline_step_s: float) -> dict
 
 def run(args: argparse.Namespace) -> int:
     require_positive(args, "steps", "every", "full_every", "timeout_s")
+    chosen = {"a-none", *(r.strip() for r in args.runs.split(",") if r.strip())}
+    unknown = sorted(chosen - set(RUNS))
+    if unknown:
+        raise ValueError(f"--runs: {', '.join(unknown)} unknown: allowed are {', '.join(RUNS)}")
     out = output_dir(args.out, "checkpoint")
     common = ["--task", "code-lm", "--nproc", "2", "--steps", str(args.steps), *args.train_args]
     every = ["--checkpoint-every", str(args.every), "--checkpoint.full_every", str(args.full_every)]
@@ -99,15 +107,17 @@ def run(args: argparse.Namespace) -> int:
         "e-frozen-full": [*every, *frozen, "--checkpoint-async", "--no-checkpoint-differential"],
         "f-frozen-diff": [*every, *frozen, "--checkpoint-async", "--checkpoint-differential"],
     }
+    runs = {name: flags for name, flags in runs.items() if name in chosen}
     reports = {name: run_train_job(name, out, [*common, *flags], args.timeout_s) for name, flags in runs.items()}
     baseline = reports["a-none"]["median_step_s"]
     rows = [summarize(name, rep, baseline) for name, rep in reports.items()]
-    restores = {name: restore_s(out / name / "checkpoints") for name in ("c-async-full", "d-async-diff")}
     for row in rows:
-        if row["run"] in restores:
-            row["restore_s"] = restores[row["run"]]
-    frozen_full = next(r for r in rows if r["run"] == "e-frozen-full")["full_bytes"]
-    frozen_diff = next(r for r in rows if r["run"] == "f-frozen-diff")["diff_bytes"]
+        if row["run"] != "a-none":
+            row["restore_s"] = restore_s(out / row["run"] / "checkpoints")
+    by_run = {r["run"]: r for r in rows}
+    # the frozen run's own full bases against its differential saves
+    frozen = by_run.get("f-frozen-diff", {})
+    frozen_full, frozen_diff = frozen.get("full_bytes"), frozen.get("diff_bytes")
     mb = lambda v: "-" if v is None else f"{v / 1e6:.2f}"  # noqa: E731
     show_table(
         f"poise bench checkpoint: code-lm, 2 workers, {args.steps} steps, a checkpoint every {args.every} steps",
@@ -127,12 +137,11 @@ def run(args: argparse.Namespace) -> int:
         ],
     )
     ratio = frozen_diff / frozen_full if frozen_full and frozen_diff else None
-    async_at_50 = next(r for r in rows if r["run"] == "c-async-full")["stall_share_at_50"]
-    from poise.log import make_console
-
+    async_at_50 = by_run.get("c-async-full", {}).get("stall_share_at_50")
     make_console().print(
-        f"targets: async stall at a checkpoint every {PROJECT_EVERY_STEPS} steps {async_at_50:.2%} of step time "
-        f"(< 3%); frozen-layers differential {'-' if ratio is None else f'{ratio:.1%}'} of full (<= 10%)"
+        f"targets: async stall at a checkpoint every {PROJECT_EVERY_STEPS} steps "
+        f"{'-' if async_at_50 is None else f'{async_at_50:.2%}'} of step time (< 3%); "
+        f"frozen-layers differential {'-' if ratio is None else f'{ratio:.1%}'} of full (<= 10%)"
     )
     save_results(out, "checkpoint", {
         "steps": args.steps, "every_steps": args.every, "full_every": args.full_every, "frozen": args.frozen,

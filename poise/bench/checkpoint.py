@@ -11,10 +11,11 @@ Real ``poise train`` jobs of code-lm on 2 workers, side by side in one invocatio
 
 Per run: median seconds of a step, median stall per checkpoint (seconds the training loop
 was held up), median write seconds (snapshot end to checkpoint in place), median bytes
-written per checkpoint (full base and differential saves apart), the overhead as a share
-of training time at this run's interval (stall, plus for async runs the slowdown of steps
-against (a), since the writer thread shares the cores), and the stall projected to a
-checkpoint every 50 steps. Restore seconds (find the newest good checkpoint, verify every
+written per checkpoint (full base and differential saves apart), the stall and the overhead
+as shares of training time (the run's median step × steps) at this run's interval, the
+overhead being the stall plus, for async runs, the background write seconds (an upper bound:
+on shared cores the writer can take at most that much from training), and the stall
+projected to a checkpoint every 50 steps. Restore seconds (find the newest good checkpoint, verify every
 file, compose and read it) are measured here, in one process, on each run's last checkpoint.
 The frozen-layers ratio compares (f)'s differential saves with its own full bases.
 """
@@ -64,25 +65,30 @@ def restore_s(root: Path) -> float:
     return time.perf_counter() - start
 
 
-def summarize(name: str, report: dict[str, Any], baseline_step_s: float) -> dict[str, Any]:
+def summarize(name: str, report: dict[str, Any]) -> dict[str, Any]:
+    """One table row from a run's report (see module doc for each figure)."""
     row: dict[str, Any] = {"run": name, "step_s": report["median_step_s"]}
     saves = (report.get("checkpoints") or {}).get("saves") or []
     if not saves:
         return row
     stall = np.array([s["stall_s"] for s in saves])
-    train_s = report["median_step_s"] * report["steps"]
-    slowdown_s = max(0.0, report["median_step_s"] - baseline_step_s) * report["steps"]
+    write = np.array([s["write_s"] for s in saves])
+    step_s = report["median_step_s"]  # the loop's stall is outside the step, so not in it
+    train_s = step_s * report["steps"]
+    # An async write can take at most its own seconds of CPU from training (on shared cores);
+    # comparing step times across runs instead would measure the neighbours' load.
+    background_s = float(write.sum()) if report["config"]["checkpoint"].get("async_save", True) else 0.0
     full = [s["bytes_written"] for s in saves if s["kind"] == "full"]
     diff = [s["bytes_written"] for s in saves if s["kind"] == "differential"]
     row.update({
         "saves": len(saves),
         "stall_s": float(np.median(stall)),
-        "write_s": float(np.median([s["write_s"] for s in saves])),
+        "write_s": float(np.median(write)),
         "full_bytes": float(np.median(full)) if full else None,
         "diff_bytes": float(np.median(diff)) if diff else None,
         "stall_share": float(stall.sum() / train_s),
-        "overhead_share": float((stall.sum() + slowdown_s) / train_s),
-        "stall_share_at_50": float(np.median(stall) / (PROJECT_EVERY_STEPS * baseline_step_s)),
+        "overhead_share": float((stall.sum() + background_s) / train_s),
+        "stall_share_at_50": float(np.median(stall) / (PROJECT_EVERY_STEPS * step_s)),
     })
     if full and diff:
         row["diff_vs_full"] = float(np.median(diff) / np.median(full))
@@ -109,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
     }
     runs = {name: flags for name, flags in runs.items() if name in chosen}
     reports = {name: run_train_job(name, out, [*common, *flags], args.timeout_s) for name, flags in runs.items()}
-    baseline = reports["a-none"]["median_step_s"]
-    rows = [summarize(name, rep, baseline) for name, rep in reports.items()]
+    rows = [summarize(name, rep) for name, rep in reports.items()]
     for row in rows:
         if row["run"] != "a-none":
             row["restore_s"] = restore_s(out / row["run"] / "checkpoints")

@@ -57,3 +57,9 @@ def test_codecs_bench_kernel_and_training_tables(tmp_path):
     runs = {r["codec"]: r for r in data["runs"]}
     assert runs["none"]["accuracy_delta"] == 0.0
     assert runs["sign"]["compression_ratio"] > 20
+
+
+def test_checkpoint_bench_rejects_unknown_runs(tmp_path):
+    proc = run_poise("bench", "checkpoint", "--runs", "b-sync-full,z", "--out", str(tmp_path), timeout_s=60)
+    assert proc.returncode == 2
+    assert "--runs: z unknown: allowed are a-none, b-sync-full" in proc.stderr

@@ -224,6 +224,10 @@ class CommConfig:
     int8_chunk_size: int = _field(1024, "int8: entries per scale (one fp32 scale per chunk)")
     start_step: int = _field(2, "steps run uncompressed first (DDP rebuilds buckets after step 1)")
     on_nonfinite: str = _field("error", "NaN/Inf in a gradient: 'error' stops, 'skip' skips the step and logs")
+    bucket_mb: float = _field(
+        25.0, "DDP gradient bucket size in MB (2**20 bytes): smaller buckets start communicating earlier in "
+        "backward, larger ones send fewer messages"
+    )
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_NAMES:
@@ -234,6 +238,7 @@ class CommConfig:
         _positive("comm", "int8_chunk_size", self.int8_chunk_size, allow_none=False)
         if self.start_step < 0:
             raise ValueError(f"comm.start_step={self.start_step} must be >= 0")
+        _positive("comm", "bucket_mb", self.bucket_mb, allow_none=False)
         if self.on_nonfinite not in ("error", "skip"):
             raise ValueError(f"comm.on_nonfinite={self.on_nonfinite!r} is unknown: allowed are error, skip")
 

@@ -32,6 +32,7 @@ ALIASES = {
     "--rank-speed": "balance.rank_speed",
     "--codec": "comm.codec",
     "--topk-ratio": "comm.topk_ratio",
+    "--bucket-mb": "comm.bucket_mb",
     "--max-restarts": "dist.max_restarts",
     "--fail-at": "faults.fail_at",
     "--checkpoint-every": "checkpoint.every_steps",

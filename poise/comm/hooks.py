@@ -48,12 +48,14 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class BucketProbe:
-    """Per-step record of when this rank's gradient buckets became ready.
+    """Per-step record of when this rank's gradient buckets became ready and were reduced.
 
     Attributes:
         last_ready_s: ``time.perf_counter()`` (seconds) when the last bucket reached the hook
             this step, or None before any did.
         buckets_this_step: number of buckets seen this step.
+        in_flight: ``(start, end)`` perf-counter seconds of each bucket this step, from the hook
+            call to the completion of its future (collectives and decoding included).
 
     (Bytes are counted by the hook's own state: ``step_stats()``.)
     """
@@ -66,26 +68,58 @@ class BucketProbe:
         """Start a new step."""
         self.last_ready_s: float | None = None
         self.buckets_this_step = 0
+        self.in_flight: list[tuple[float, float]] = []
 
-    def on_bucket(self, buffer: torch.Tensor) -> None:
+    def on_bucket(self, buffer: torch.Tensor) -> float:
+        """Note a bucket handed to the hook; returns the time (seconds) for :meth:`on_done`."""
         if self.synchronize_cuda:
             # CUDA kernels run asynchronously: wait for the gradients to exist, or the time
             # would only say when they were queued. Costs some overlap; buys honest numbers.
             torch.cuda.synchronize(buffer.device)
         self.last_ready_s = time.perf_counter()
         self.buckets_this_step += 1
+        return self.last_ready_s
+
+    def on_done(self, started_s: float) -> None:
+        """Note that the bucket handed over at ``started_s`` is reduced (called from a future's
+        callback thread; appending to a list is atomic)."""
+        self.in_flight.append((started_s, time.perf_counter()))
+
+    def comm_overlap(self, compute_end_s: float) -> tuple[float, float]:
+        """``(busy, hidden)`` seconds of this step: how long at least one bucket was in flight,
+        and how much of that fell before ``compute_end_s`` (hidden behind backward compute)."""
+        busy = hidden = 0.0
+        cur_start = cur_end = None
+        for start, end in sorted(self.in_flight):
+            if cur_end is None or start > cur_end:
+                if cur_end is not None:
+                    busy += cur_end - cur_start
+                    hidden += max(0.0, min(cur_end, compute_end_s) - cur_start)
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        if cur_end is not None:
+            busy += cur_end - cur_start
+            hidden += max(0.0, min(cur_end, compute_end_s) - cur_start)
+        return busy, hidden
 
 
 def instrumented(hook: CommHook, probe: BucketProbe) -> CommHook:
-    """Wrap a DDP comm hook so ``probe`` sees every bucket before ``hook`` sends it.
+    """Wrap a DDP comm hook so ``probe`` sees every bucket before ``hook`` sends it, and when
+    its reduction completes.
 
     (DDP checks the wrapper's annotations at registration, so this module must not use
     postponed, string annotations.)
     """
 
     def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        probe.on_bucket(bucket.buffer())
-        return hook(state, bucket)
+        started = probe.on_bucket(bucket.buffer())
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            probe.on_done(started)
+            return fut.value()
+
+        return hook(state, bucket).then(done)
 
     return timed_hook
 
@@ -135,7 +169,9 @@ class HookState:
 def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: reduce ``bucket`` through ``state``'s reducer (uncompressed while warming up)."""
     reducer = state.reducer if state.step >= state.start_step else state.uncompressed
-    fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight)
+    # the parameters' shapes: low rank compresses each weight matrix of the bucket on its own
+    shapes = [p.shape for p in bucket.parameters()]
+    fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight, shapes=shapes)
     if bucket.is_last():
         state.step += 1
     return fut

@@ -1,17 +1,19 @@
 """Reducers: move a codec's payloads between ranks and return the reduced gradient.
 
 A reducer owns no compression math (codecs do) and knows nothing of DDP (``hooks.py`` does).
-``reduce(tensor, key=..., weight=...)`` returns a future of ``sum_r w_r x_r`` over the ranks
-of the group, where ``w_r`` is the ``weight`` rank r passed, or ``1 / world_size`` for all if
-None (the mean, as DDP computes it). Pre-weighting happens before encoding, which also keeps
-fp16 payloads in range. The strategy follows from the codec, never from a flag
-(:func:`make_reducer`):
+``reduce(tensor, key=..., weight=..., shapes=...)`` returns a future of ``sum_r w_r x_r`` over
+the ranks of the group, where ``w_r`` is the ``weight`` rank r passed, or ``1 / world_size`` for
+all if None (the mean, as DDP computes it). ``shapes`` are the shapes of the tensors the flat
+``tensor`` is made of (a DDP bucket's parameters); only low rank uses them. Pre-weighting
+happens before encoding, which also keeps fp16 payloads in range. The strategy follows from
+the codec, never from a flag (:func:`make_reducer`):
 
 1. :class:`AllReduceReducer`: summable payloads (casts, random-k, no compression) are summed
    by one all-reduce and decoded once.
 2. :class:`AllGatherReducer`: other payloads (top-k, sign, int8) are packed into one byte
    buffer per rank, all-gathered, and each rank decodes and sums them locally.
-3. :class:`LowRankReducer`: PowerSGD's two all-reduce rounds (P, then Q).
+3. :class:`LowRankReducer`: PowerSGD's two all-reduce rounds (P and the uncompressed
+   entries, then Q), one low-rank block per weight matrix.
 
 Threading: collectives are launched in the caller's thread, in call order (DDP calls a hook
 per bucket in the same order on every rank), with ``async_op=True``. PowerSGD waits for round 1
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from poise.comm.codecs import Codec, Encoded, ErrorFeedback
 from poise.comm.codecs.base import Buffers
 from poise.comm.codecs.cast import IdentityCodec
-from poise.comm.codecs.lowrank import PowerSGDCodec
+from poise.comm.codecs.lowrank import PowerSGDCodec, Shapes
 
 Future = torch.futures.Future
 
@@ -110,7 +112,8 @@ class Reducer(abc.ABC):
         return dist.get_world_size(self.group)
 
     @abc.abstractmethod
-    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None) -> Future[torch.Tensor]:
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
+               shapes: Shapes | None = None) -> Future[torch.Tensor]:
         """Future of ``sum_r w_r tensor_r`` (see the module docstring), written into ``tensor``.
 
         Args:
@@ -119,6 +122,7 @@ class Reducer(abc.ABC):
                 residuals and warm starts. Every rank must call with the same keys in the
                 same order.
             weight: this rank's factor ``w_r``; None means ``1 / world_size`` on every rank.
+            shapes: shapes of the tensors ``tensor`` is the concatenation of, if known.
         """
 
     def _prescale(self, tensor: torch.Tensor, weight: float | None) -> None:
@@ -131,7 +135,8 @@ class Reducer(abc.ABC):
 class AllReduceReducer(Reducer):
     """Summable codecs: one all-reduce of the single payload tensor, then one decode."""
 
-    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None) -> Future[torch.Tensor]:
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
+               shapes: Shapes | None = None) -> Future[torch.Tensor]:
         assert self.codec.summable, self.codec
         self._prescale(tensor, weight)
         start = time.perf_counter()
@@ -154,7 +159,8 @@ class AllReduceReducer(Reducer):
 class AllGatherReducer(Reducer):
     """Non-summable codecs: all-gather every rank's packed payload; decode and sum locally."""
 
-    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None) -> Future[torch.Tensor]:
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
+               shapes: Shapes | None = None) -> Future[torch.Tensor]:
         self._prescale(tensor, weight)
         start = time.perf_counter()
         encoded = self.codec.encode(tensor, key=key)
@@ -177,13 +183,15 @@ class AllGatherReducer(Reducer):
 
 
 class LowRankReducer(Reducer):
-    """PowerSGD: all-reduce P = M Q, orthonormalize, all-reduce Q = M^T P, decode P Q^T.
+    """PowerSGD: all-reduce [P = M Q | dense], orthonormalize, all-reduce Q = M^T P, decode P Q^T.
 
-    Round 1 is waited for here, in the caller's thread: DDP calls hooks bucket by bucket in
-    the same order on every rank, so this cannot deadlock, and no collective is ever started
-    from a callback. With error feedback, a rank's residual is ``corrected - P Q_r^T``: the
-    part of its own gradient that the shared basis P did not capture (Vogels et al. 2019).
-    Buckets too small to gain are all-reduced uncompressed.
+    One block per weight matrix of the bucket (``shapes``); entries not worth compressing ride
+    along uncompressed in round 1. Round 1 is waited for here, in the caller's thread: DDP
+    calls hooks bucket by bucket in the same order on every rank, so this cannot deadlock, and
+    no collective is ever started from a callback. With error feedback, a rank's residual is
+    ``corrected - P Q_r^T`` on the blocks (the part of its own gradient that the shared basis P
+    did not capture, Vogels et al. 2019) and zero on the dense entries, which are sent exactly.
+    Buckets with nothing worth compressing are all-reduced uncompressed.
     """
 
     def __init__(self, codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None) -> None:
@@ -194,26 +202,34 @@ class LowRankReducer(Reducer):
         self.lowrank: PowerSGDCodec = inner
         self._uncompressed = AllReduceReducer(IdentityCodec(), group, self.counters)
 
-    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None) -> Future[torch.Tensor]:
-        if not self.lowrank.compresses(tensor.numel()):
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
+               shapes: Shapes | None = None) -> Future[torch.Tensor]:
+        layout = self.lowrank.layout(tensor.numel(), shapes)
+        if not layout.blocks:
             return self._uncompressed.reduce(tensor, key=key, weight=weight)
         self._prescale(tensor, weight)
         start = time.perf_counter()
         corrected = self.ef.correct(tensor, key) if self.ef is not None else tensor
         if corrected is None:  # a NaN/Inf gradient in "skip" mode: make every rank see NaN
             corrected = tensor.fill_(float("nan"))
-        m = self.lowrank.as_matrix(corrected, key)
-        p = self.lowrank.project_p(m, key)
+        # round 1 carries P and the dense entries together: one collective, not two
+        round1 = self._buffers.get(key, "round1", (layout.p_numel + layout.dense_numel,), torch.float32,
+                                   tensor.device)
+        p, dense = round1[: layout.p_numel], round1[layout.p_numel:]
+        self.lowrank.project_p(corrected, layout, key, p)
+        layout.gather_dense(corrected, dense)
         encode_s = time.perf_counter() - start
-        dist.all_reduce(p, group=self.group)  # round 1, waited for here (see the class docstring)
+        dist.all_reduce(round1, group=self.group)  # waited for here (see the class docstring)
         start = time.perf_counter()
-        self.lowrank.orthonormalize(p)
-        q = self.lowrank.project_q(m, p, key)
+        self.lowrank.orthonormalize(p, layout)
+        q = self.lowrank.project_q(corrected, p, layout, key)
         if self.ef is not None and corrected is not tensor:
-            # tensor is free now (corrected is the EF's copy): use it for P Q_r^T
-            self.ef.remember(key, corrected, self.lowrank.expand(p, q, tensor))
-        wire = _nbytes(p) + _nbytes(q)
-        self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=wire, buckets=1,
+            # tensor is free now (corrected is the EF's copy): use it for P Q_r^T; the dense
+            # entries went exactly, so the approximation takes them from ``corrected``
+            approx = self.lowrank.expand(layout, p, q, tensor)
+            layout.copy_dense(corrected, approx)
+            self.ef.remember(key, corrected, approx)
+        self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=layout.wire_numel * 4, buckets=1,
                           encode_s=encode_s + time.perf_counter() - start)
         work = dist.all_reduce(q, group=self.group, async_op=True)
 
@@ -221,7 +237,7 @@ class LowRankReducer(Reducer):
             fut.wait()
             t0 = time.perf_counter()
             self.lowrank.remember(key, q)  # the summed Q: equal on all ranks, next warm start
-            out = self.lowrank.expand(p, q, tensor)
+            out = self.lowrank.expand(layout, p, q, tensor, dense)
             self.counters.add(decode_s=time.perf_counter() - t0)
             return out
 

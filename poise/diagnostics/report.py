@@ -17,6 +17,10 @@ Definitions (all over the measured steps, per-rank compute Tᵢ = forward + own 
   batches differ at equal tokens rather than equal steps.
 - ``balance_last_half``: balance over the second half of the steps, after a dynamic
   re-planner has had time to converge.
+- ``comm_overlap``: share of the time gradients were being reduced (from a bucket's hand-off
+  to DDP until its reduction completed) that overlapped the rank's own backward compute,
+  i.e. communication hidden by DDP's bucketing (``--bucket-mb``); ``comm_busy_s_per_step``
+  and ``comm_exposed_s_per_step`` (the part not hidden) are medians over steps and ranks.
 
 The first step is left out of medians and means: it pays for DDP's bucket rebuild and lazy
 allocations, and is not what a user's run looks like.
@@ -78,6 +82,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         per_rank.append(entry)
     ideal = sum(r["tokens_per_compute_s"] for r in per_rank)
     raw, wire = column(steady, "raw_bytes"), column(steady, "wire_bytes")
+    busy, hidden = column(steady, "comm_busy_s"), column(steady, "comm_hidden_s")
     steady_tput = float(column(steady, "tokens").sum() / step_s.max(axis=1).sum())
     step_balance = [balance(row) for row in compute]
     return {
@@ -97,6 +102,9 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         # median over steps, so the uncompressed warm-up steps do not dilute it
         "compression_ratio": float(np.median(raw / np.maximum(wire, 1))),
         "codec_s_per_step": float(np.median(column(steady, "codec_s"))),
+        "comm_overlap": float(hidden.sum() / busy.sum()) if busy.sum() > 0 else 0.0,
+        "comm_busy_s_per_step": float(np.median(busy)),
+        "comm_exposed_s_per_step": float(np.median(busy - hidden)),
         "steps_skipped": int(column(table, "skipped").max(axis=0).sum()),
         "padding_waste": float(padded / tokens - 1.0) if tokens else 0.0,
         "ideal_tokens_per_s": ideal,
@@ -166,6 +174,7 @@ def summary_table(report: dict[str, Any]) -> Any:
         ("balance", f"{report['balance']:.3f}"),
         ("idle fraction", f"{report['idle_fraction']:.1%}"),
         ("comm fraction", f"{report['comm_fraction']:.1%}"),
+        ("comm hidden by backward", f"{report['comm_overlap']:.0%} of {report['comm_busy_s_per_step'] * 1e3:.1f} ms"),
         ("bytes communicated / step", f"{report['bytes_communicated_per_step'] / 1e6:.3f} MB"),
         ("compression", f"{report['compression_ratio']:.1f}x ({report.get('codec', 'none')})"),
         ("padding waste", f"{report['padding_waste']:.2f} padded per real token"),

@@ -53,6 +53,8 @@ class StepRecord:
     raw_bytes: int  # gradient bytes handed to communication
     wire_bytes: int  # bytes this rank put into collectives after compression
     codec_s: float  # encode + decode seconds (encode overlaps backward, decode the wait)
+    comm_busy_s: float  # seconds at least one gradient bucket was being reduced
+    comm_hidden_s: float  # the part of comm_busy_s that overlapped this rank's backward compute
     skipped: int  # 1 when the optimizer step was skipped (non-finite gradients)
 
     @property

@@ -86,6 +86,7 @@ def train_step(
     t3 = time.perf_counter()
     # No bucket reached the hook only if nothing needs a gradient; then there was no comm.
     ready = probe.last_ready_s if probe.last_ready_s is not None else t3
+    comm_busy_s, comm_hidden_s = probe.comm_overlap(compute_end_s=ready)
 
     skipped = False
     if last_micro:
@@ -118,5 +119,7 @@ def train_step(
         raw_bytes=stats.raw_bytes,
         wire_bytes=stats.wire_bytes,
         codec_s=stats.encode_s + stats.decode_s,
+        comm_busy_s=comm_busy_s,
+        comm_hidden_s=comm_hidden_s,
         skipped=int(skipped),
     )

@@ -92,9 +92,11 @@ def wrap_model(
     model = task.build_model().to(ctx.device)
     freeze(model, config.train.frozen_prefixes())
     comm_hooks.check_backend(config.comm, ctx.backend)
-    bucket_cap_mb = 25.0  # DDP's default
+    bucket_cap_mb = config.comm.bucket_mb
     if comm_hooks.requires_single_bucket(config.comm):
         bucket_cap_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
+        log.info("comm.codec=%r needs a single bucket on gloo: bucket size %.1f MB instead of comm.bucket_mb",
+                 config.comm.codec, bucket_cap_mb)
     ddp = DistributedDataParallel(
         model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb
     )

@@ -47,6 +47,7 @@ def _hooked_grads(rank: int, world_size: int) -> dict:
         out[name] = [p.grad.clone() for p in ddp.parameters()]
         out[f"{name}_buckets"] = probe.buckets_this_step
         out[f"{name}_ready"] = probe.last_ready_s
+        out[f"{name}_in_flight"] = list(probe.in_flight)
     # the local (un-averaged) gradient, to check the all-reduce really averaged
     local = _model()
     nn.functional.mse_loss(local(x), y).backward()
@@ -61,6 +62,9 @@ def test_probed_hook_matches_plain_ddp_and_counts_every_bucket():
             torch.testing.assert_close(a, b)
         assert r["probed_buckets"] > 1
         assert r["probed_ready"] is not None
+        # every bucket's reduction was timed, from its hand-off to its completion
+        assert len(r["probed_in_flight"]) == r["probed_buckets"]
+        assert all(start <= end for start, end in r["probed_in_flight"])
         assert r["plain_buckets"] == 0  # the probe only sees what it wraps
     mean_local = [(a + b) / 2 for a, b in zip(results[0]["local"], results[1]["local"], strict=True)]
     for got, want in zip(results[0]["probed"], mean_local, strict=True):
@@ -72,7 +76,8 @@ def _gather_timeline(rank: int, world_size: int, steps: int, every: int):
     for step in range(steps):
         tl.record(StepRecord(step=step, start_time_s=1000.0 + step, data_s=0.1, forward_s=rank + 1.0,
                              backward_s=0.5, comm_wait_s=0.0, optim_s=0.01, step_s=2.0, samples=4 + rank,
-                             tokens=100 * (rank + 1), padded_tokens=150, loss=3.0, raw_bytes=1234, wire_bytes=617, codec_s=0.0, skipped=0))
+                             tokens=100 * (rank + 1), padded_tokens=150, loss=3.0, raw_bytes=1234, wire_bytes=617, codec_s=0.0,
+                             comm_busy_s=0.2, comm_hidden_s=0.1, skipped=0))
     tl.flush()
     return tl.table() if rank == 0 else None
 

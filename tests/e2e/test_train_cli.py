@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 REPORT_KEYS = {
     "task", "world_size", "steps", "wall_s", "throughput_samples_per_s", "throughput_tokens_per_s",
     "balance", "idle_fraction", "comm_fraction", "bytes_communicated_per_step", "eval_loss",
-    "eval_accuracy", "per_rank", "config",
+    "eval_accuracy", "per_rank", "config", "comm_overlap", "comm_busy_s_per_step", "comm_exposed_s_per_step",
 }
 QUIET = ("--diagnostics.progress", "false")
 
@@ -47,6 +47,7 @@ def test_digits_trains_to_a_sound_accuracy(digits_run):
     assert len(report["per_rank"]) == 2
     assert 0.0 < report["balance"] <= 1.0
     assert report["bytes_communicated_per_step"] > 0
+    assert 0.0 <= report["comm_overlap"] <= 1.0 and report["comm_busy_s_per_step"] > 0
     assert (digits_run / "timeline.png").stat().st_size > 1000
     trace = json.loads((digits_run / "trace.json").read_text())
     tracks = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}

@@ -90,7 +90,9 @@ def test_decode_keeps_a_2d_shape_and_other_dtypes(name):
     encoded = codec.encode(x)
     decoded = codec.decode(encoded)
     assert decoded.shape == (20, 30) and decoded.dtype == torch.float64
-    assert codec.encoded_nbytes(600, torch.float64) == codec.nbytes(encoded)
+    # encoded_nbytes knows no shape: it is the size of the flat tensor's payload (PowerSGD
+    # lays a 2-D tensor out by its own shape, a flat one as a near-square matrix)
+    assert codec.encoded_nbytes(600, torch.float64) == codec.nbytes(codec.encode(x.view(-1)))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -109,10 +111,10 @@ def test_wire_sizes_follow_each_codecs_formula(n):
     for name, nbytes in expected.items():
         codec = codecs.make(name)
         assert codec.nbytes(codec.encode(x)) == nbytes, name
-    if n:
-        rows, cols = PowerSGDCodec.matrix_shape(n)
-        codec = codecs.make("powersgd", rank=2)
-        assert codec.nbytes(codec.encode(x)) == (rows + cols) * min(2, rows, cols) * 4
+    codec = codecs.make("powersgd", rank=2)
+    layout = codec.layout(n)
+    assert codec.nbytes(codec.encode(x)) == codec.encoded_nbytes(n) == 4 * layout.wire_numel
+    assert sum(b.rows * b.cols for b in layout.blocks) + layout.dense_numel == n
 
 
 # -- round-trip error bounds ---------------------------------------------------------------
@@ -232,6 +234,39 @@ def test_powersgd_is_exact_on_low_rank_input_and_a_projection_otherwise():
     x = _x(4099)
     decoded = codec.decode(codec.encode(x))
     assert decoded.norm() <= x.norm() and (x - decoded).norm() < x.norm()
+
+
+def test_powersgd_layout_compresses_each_weight_matrix_and_sends_the_rest_as_is():
+    codec = PowerSGDCodec(rank=4)
+    shapes = [(64,), (64, 128), (8, 8), (16, 5, 7), (10,)]
+    layout = codec.layout(sum(math.prod(s) for s in shapes), shapes)
+    # (64, 128) and (16, 35) shrink; the vectors and the 8x8 matrix (factors not 2x smaller) do not
+    second = 64 + 8192 + 64
+    assert [(b.start, b.rows, b.cols, b.rank) for b in layout.blocks] == [(64, 64, 128, 4), (second, 16, 35, 4)]
+    assert layout.dense == ((0, 64), (64 + 8192, second), (second + 560, second + 570))
+    assert layout.p_numel == (64 + 16) * 4 and layout.q_numel == (128 + 35) * 4
+    assert layout.dense_numel == 64 + 64 + 10
+    # shapes that do not add up to the tensor: one near-square matrix of whole rows + a tail
+    fallback = codec.layout(4099, [(10, 10)])
+    assert fallback == codec.layout(4099) and fallback.dense == ((4095, 4099),)
+
+
+def test_powersgd_per_matrix_round_trip_is_exact_on_low_rank_matrices_and_dense_parts():
+    g = torch.Generator().manual_seed(1)
+    low = torch.randn(40, 2, generator=g) @ torch.randn(2, 30, generator=g)
+    bias = torch.randn(40, generator=g)
+    x = torch.cat([low.view(-1), bias])
+    codec = PowerSGDCodec(rank=2)
+    layout = codec.layout(x.numel(), [low.shape, bias.shape])
+    p = torch.empty(layout.p_numel)
+    codec.orthonormalize(codec.project_p(x, layout, 0, p), layout)
+    q = codec.project_q(x, p, layout, 0)
+    dense = torch.empty(layout.dense_numel)
+    layout.gather_dense(x, dense)
+    out = codec.expand(layout, p, q, torch.empty_like(x), dense)
+    torch.testing.assert_close(out, x, atol=1e-4, rtol=1e-4)
+    two_d = codec.encode(low)  # a 2-D tensor on its own is one block of its own shape
+    assert two_d.context.blocks[0].rows == 40 and codec.decode(two_d).shape == low.shape
 
 
 def test_powersgd_warm_start_improves_the_approximation_over_steps():

@@ -50,6 +50,7 @@ def test_precedence_defaults_file_flags(tmp_path):
         (["--balance.max_share_change", "1.5"], "balance.max_share_change=1.5 is outside (0, 1]"),
         (["--codec", "zip"], "comm.codec='zip' is unknown: allowed are none, fp16"),
         (["--topk-ratio", "0"], "comm.topk_ratio=0.0 is outside (0, 1]"),
+        (["--bucket-mb", "0"], "comm.bucket_mb=0.0 is invalid"),
     ],
 )
 def test_bad_values_give_one_line_errors(argv, needle):

@@ -112,8 +112,8 @@ class Codec(abc.ABC):
 
     @abc.abstractmethod
     def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes on the wire for a tensor of ``numel`` entries of ``dtype``, without encoding it
-        (equal to ``nbytes(encode(t))``; for cost models and the simulator)."""
+        """Bytes on the wire for a flat tensor of ``numel`` entries of ``dtype``, without encoding
+        it (equal to ``nbytes(encode(t))``; for cost models and the simulator)."""
 
     def decode_sum(self, encoded: Sequence[Encoded], *, out: torch.Tensor) -> torch.Tensor:
         """Sum of the decodes of several ranks' payloads, written into ``out``.

@@ -120,7 +120,7 @@ class ErrorFeedback(Codec):
         corrected = self.correct(tensor, key)
         if corrected is None:
             return poisoned(self.codec, tensor, key)
-        encoded = self.codec.encode(corrected, key=key)
+        encoded = self.codec.encode(corrected.view(tensor.shape), key=key)  # shape-aware codecs see it
         residual = self._residuals.get(key)
         if residual is None or residual.shape != corrected.shape or residual.dtype != corrected.dtype:
             residual = self._residuals[key] = torch.empty_like(corrected)

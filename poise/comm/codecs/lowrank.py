@@ -1,136 +1,247 @@
 """PowerSGD low-rank compression (``powersgd``): the factor math, no communication.
 
 PowerSGD (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression for
-Distributed Optimization") views the gradient as a matrix M (rows x cols) and sends two thin
+Distributed Optimization") views a gradient as a matrix M (rows x cols) and sends two thin
 factors instead: P = M Q (rows x r), orthonormalized, then Q = M^T P (cols x r), so that
 M ~ P Q^T. One step of subspace iteration per training step is enough because Q is kept from
 the previous step (warm start) and error feedback carries what the approximation missed.
 
+**Per tensor.** A DDP bucket is a flat vector holding many parameters. Low rank only makes
+sense for each weight matrix on its own (a bucket reshaped as one matrix mixes unrelated
+layers, and approximates them far worse), so a :class:`Layout` cuts the flat vector into
+blocks, one per parameter of two or more dimensions, viewed as (shape[0], rest) as torch's
+PowerSGD does. Tensors that would not shrink at least ``min_compression`` times (biases, norms,
+small matrices) are sent as they are, in the same first round as P. Without parameter shapes
+(the codec used on its own), a tensor of 2+ dimensions is one block, and a 1-D tensor is laid
+out as the most nearly square matrix of whole rows, its last partial row sent as it is.
+
 Every step is linear in M, so a reducer sums P over ranks, orthonormalizes the sum, computes
-each rank's Q from it and sums those: two all-reduce rounds of (rows + cols) x r numbers
-(``reducers.LowRankReducer``). Alone, :meth:`PowerSGDCodec.encode` runs the same steps on one
-rank and the payload is (P, Q).
+each rank's Q from it and sums those: two all-reduce rounds, the first of all P factors plus
+the uncompressed entries, the second of all Q factors (``reducers.LowRankReducer``). Alone,
+:meth:`PowerSGDCodec.encode` runs the same steps on one rank; the payload is (P, Q, dense),
+each flat, and the layout travels as context (every rank derives it from the shapes).
 
-A DDP bucket is a flat vector of many parameters; it is laid out as the most nearly square
-matrix that holds it (zero-padded), as torch's batched PowerSGD does. That loses the
-per-layer structure but works for any bucket layout. A bucket too small to gain,
-``(rows + cols) x r >= n``, is not worth compressing (:meth:`compresses`).
-
-Cost: two (rows x cols) x r matrix products to encode, one to decode; QR of a rows x r matrix.
+Cost per block: two (rows x cols) x r matrix products to encode, one to decode; QR of a
+rows x r matrix.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from poise.comm.codecs.base import Codec, Encoded, flat, output
 
+Shapes = Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One low-rank matrix of a layout: entries ``[start, start + rows*cols)`` of the flat tensor,
+    and where its factors sit in the flat P (rows x rank) and Q (cols x rank) buffers."""
+
+    start: int
+    rows: int
+    cols: int
+    rank: int
+    p_start: int
+    q_start: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a flat tensor of ``numel`` entries is sent: low-rank ``blocks`` and ``dense`` ranges.
+
+    Attributes:
+        numel: entries of the flat tensor.
+        blocks: the matrices compressed to rank-r factors.
+        dense: ``(start, stop)`` entry ranges sent uncompressed.
+        p_numel, q_numel, dense_numel: entries of the flat P, Q and dense payloads.
+    """
+
+    numel: int
+    blocks: tuple[Block, ...]
+    dense: tuple[tuple[int, int], ...]
+    p_numel: int
+    q_numel: int
+    dense_numel: int
+
+    @property
+    def wire_numel(self) -> int:
+        """fp32 entries sent per rank: both factor rounds and the dense entries."""
+        return self.p_numel + self.q_numel + self.dense_numel
+
+    def matrices(self, flat_tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Each block of ``flat_tensor`` as a (rows x cols) view."""
+        return [flat_tensor[b.start: b.stop].view(b.rows, b.cols) for b in self.blocks]
+
+    def p_views(self, p: torch.Tensor) -> list[torch.Tensor]:
+        return [p[b.p_start: b.p_start + b.rows * b.rank].view(b.rows, b.rank) for b in self.blocks]
+
+    def q_views(self, q: torch.Tensor) -> list[torch.Tensor]:
+        return [q[b.q_start: b.q_start + b.cols * b.rank].view(b.cols, b.rank) for b in self.blocks]
+
+    def gather_dense(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the dense ranges of the flat ``src`` back to back into ``out``."""
+        offset = 0
+        for start, stop in self.dense:
+            out[offset: offset + stop - start].copy_(src[start:stop])
+            offset += stop - start
+
+    def copy_dense(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the dense ranges of the flat ``src`` into the same ranges of the flat ``out``."""
+        for start, stop in self.dense:
+            out[start:stop].copy_(src[start:stop])
+
+    def scatter_dense(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Inverse of :meth:`gather_dense`: write the packed ``src`` into ``out``'s dense ranges."""
+        offset = 0
+        for start, stop in self.dense:
+            out[start:stop].copy_(src[offset: offset + stop - start])
+            offset += stop - start
+
 
 class PowerSGDCodec(Codec):
-    """Rank-``rank`` approximation of the gradient laid out as a near-square matrix."""
+    """Rank-``rank`` approximation of each weight matrix of a gradient.
+
+    Args:
+        rank: rank r of the factors (clipped to each matrix's smaller side).
+        warm_start: start each step's power iteration from the previous step's Q.
+        min_compression: a matrix is compressed only if its factors are at least this many
+            times smaller than it (torch's ``min_compression_rate``, default 2).
+        seed: seed of the initial random Q (equal on all ranks).
+    """
 
     name: ClassVar[str] = "powersgd"
     summable: ClassVar[bool] = False
 
-    def __init__(self, rank: int = 4, *, warm_start: bool = True, seed: int = 0) -> None:
+    def __init__(self, rank: int = 4, *, warm_start: bool = True, min_compression: float = 2.0,
+                 seed: int = 0) -> None:
         super().__init__()
         if rank <= 0:
             raise ValueError(f"powersgd: rank={rank} must be positive")
+        if not min_compression >= 1.0:
+            raise ValueError(f"powersgd: min_compression={min_compression} must be >= 1")
         self.rank = int(rank)
         self.warm_start = warm_start
+        self.min_compression = float(min_compression)
         self.seed = seed
         self._q: dict[Hashable, torch.Tensor] = {}
+        self._layouts: dict[tuple[int, tuple[tuple[int, ...], ...] | None], Layout] = {}
 
     def __repr__(self) -> str:
         return f"PowerSGDCodec(rank={self.rank}, warm_start={self.warm_start})"
 
+    # -- layout --------------------------------------------------------------------------------
+
+    def layout(self, numel: int, shapes: Shapes | None = None) -> Layout:
+        """The layout of a flat tensor of ``numel`` entries made of tensors of ``shapes`` (in
+        order; None or shapes that do not add up to ``numel``: one near-square matrix)."""
+        key = (numel, tuple(tuple(s) for s in shapes) if shapes is not None else None)
+        cached = self._layouts.get(key)
+        if cached is None:
+            cached = self._layouts[key] = self._make_layout(numel, key[1])
+        return cached
+
+    def _make_layout(self, numel: int, shapes: tuple[tuple[int, ...], ...] | None) -> Layout:
+        if shapes is None or sum(math.prod(s) for s in shapes) != numel:
+            cols = max(1, math.ceil(math.sqrt(numel)))
+            shapes = ((numel // cols, cols), (numel % cols,))
+        blocks: list[Block] = []
+        dense: list[tuple[int, int]] = []
+        start = p_numel = q_numel = 0
+        for shape in shapes:
+            size = math.prod(shape)
+            rows = shape[0] if len(shape) >= 2 else 0
+            cols = size // rows if rows else 0
+            rank = min(self.rank, rows, cols)
+            if rows and (rows + cols) * rank * self.min_compression <= size:
+                blocks.append(Block(start, rows, cols, rank, p_numel, q_numel))
+                p_numel += rows * rank
+                q_numel += cols * rank
+            elif size:
+                if dense and dense[-1][1] == start:  # merge neighbours: fewer, longer copies
+                    dense[-1] = (dense[-1][0], start + size)
+                else:
+                    dense.append((start, start + size))
+            start += size
+        dense_numel = sum(stop - lo for lo, stop in dense)
+        return Layout(numel, tuple(blocks), tuple(dense), p_numel, q_numel, dense_numel)
+
     # -- the steps, in the order a reducer calls them ------------------------------------------
 
-    @staticmethod
-    def matrix_shape(numel: int) -> tuple[int, int]:
-        """(rows, cols) of the most nearly square matrix holding ``numel`` entries."""
-        cols = max(1, math.ceil(math.sqrt(numel)))
-        return max(1, -(-numel // cols)), cols
-
-    def effective_rank(self, numel: int) -> int:
-        rows, cols = self.matrix_shape(numel)
-        return min(self.rank, rows, cols)
-
-    def compresses(self, numel: int) -> bool:
-        """Whether the two factors are smaller than the tensor itself."""
-        rows, cols = self.matrix_shape(numel)
-        return (rows + cols) * self.effective_rank(numel) < numel
-
-    def as_matrix(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor:
-        """``tensor`` as the (rows x cols) float32 matrix M: a view when it fits exactly."""
-        src = flat(tensor).detach()
-        rows, cols = self.matrix_shape(src.numel())
-        if rows * cols == src.numel() and src.dtype == torch.float32:
-            return src.view(rows, cols)
-        m = self._buffers.get(key, "matrix", (rows, cols), torch.float32, src.device)
-        m.view(-1)[: src.numel()].copy_(src)
-        m.view(-1)[src.numel():].zero_()
-        return m
-
-    def project_p(self, m: torch.Tensor, key: Hashable | None) -> torch.Tensor:
-        """P = M Q with this key's warm-start Q (or a seeded random one, equal on all ranks)."""
-        q = self._start_q(key, m.shape[1], min(self.rank, *m.shape), m.device)
-        p = self._buffers.get(key, "p", (m.shape[0], q.shape[1]), torch.float32, m.device)
-        return torch.matmul(m, q, out=p)
+    def project_p(self, m: torch.Tensor, layout: Layout, key: Hashable | None, p: torch.Tensor) -> torch.Tensor:
+        """P_i = M_i Q_i for every block of the flat ``m``, into the flat ``p``, with this key's
+        warm-start Q (or a seeded random one, equal on all ranks)."""
+        q = self._start_q(key, layout, m.device)
+        for mat, q_i, p_i in zip(layout.matrices(m), layout.q_views(q), layout.p_views(p), strict=True):
+            torch.matmul(mat, q_i, out=p_i)
+        return p
 
     @staticmethod
-    def orthonormalize(p: torch.Tensor) -> torch.Tensor:
-        """Replace the columns of ``p`` by an orthonormal basis of their span (in place)."""
-        return p.copy_(torch.linalg.qr(p).Q)
+    def orthonormalize(p: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """Replace each block's P columns by an orthonormal basis of their span (in place)."""
+        for p_i in layout.p_views(p):
+            p_i.copy_(torch.linalg.qr(p_i).Q)
+        return p
 
-    def project_q(self, m: torch.Tensor, p: torch.Tensor, key: Hashable | None) -> torch.Tensor:
-        """Q = M^T P."""
-        q = self._buffers.get(key, "q", (m.shape[1], p.shape[1]), torch.float32, m.device)
-        return torch.matmul(m.T, p, out=q)
+    def project_q(self, m: torch.Tensor, p: torch.Tensor, layout: Layout, key: Hashable | None) -> torch.Tensor:
+        """Q_i = M_i^T P_i, into this key's flat Q buffer."""
+        q = self._buffers.get(key, "q", (layout.q_numel,), torch.float32, m.device)
+        for mat, p_i, q_i in zip(layout.matrices(m), layout.p_views(p), layout.q_views(q), strict=True):
+            torch.matmul(mat.T, p_i, out=q_i)
+        return q
 
     def remember(self, key: Hashable | None, q: torch.Tensor) -> None:
         """Keep ``q`` (after any all-reduce, so equal on all ranks) as the next warm start."""
         if self.warm_start:
             self._q[key] = q.clone()
 
-    def expand(self, p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write P Q^T, cropped to ``out.numel()`` entries, into the flat ``out``."""
-        rows, cols = p.shape[0], q.shape[0]
+    @staticmethod
+    def expand(layout: Layout, p: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
+               dense: torch.Tensor | None = None) -> torch.Tensor:
+        """Write P_i Q_i^T into each block of the flat ``out``, and the packed ``dense`` (if
+        given) into its dense ranges."""
         flat_out = out.view(-1)
-        if rows * cols == flat_out.numel() and out.dtype == torch.float32:
-            torch.matmul(p, q.T, out=flat_out.view(rows, cols))
-        else:
-            flat_out.copy_(torch.matmul(p, q.T).view(-1)[: flat_out.numel()])
+        for mat, p_i, q_i in zip(layout.matrices(flat_out), layout.p_views(p), layout.q_views(q), strict=True):
+            torch.matmul(p_i, q_i.T, out=mat)
+        if dense is not None:
+            layout.scatter_dense(dense, flat_out)
         return out
 
     # -- the Codec interface: the same steps on one rank ---------------------------------------
 
     def encoded_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        if numel == 0:
-            return 0
-        rows, cols = self.matrix_shape(numel)
-        return (rows + cols) * self.effective_rank(numel) * 4  # the factors are fp32
+        return self.layout(numel).wire_numel * 4  # the payload is fp32
 
     def encode(self, tensor: torch.Tensor, *, key: Hashable | None = None) -> Encoded:
-        if tensor.numel() == 0:
-            empty = torch.empty(0, 0, device=tensor.device)
-            return Encoded((empty, empty), tensor.shape, tensor.dtype)
-        m = self.as_matrix(tensor, key)
-        p = self.orthonormalize(self.project_p(m, key))
-        q = self.project_q(m, p, key)
+        layout = self.layout(tensor.numel(), [tensor.shape] if tensor.dim() >= 2 else None)
+        m = flat(tensor).detach().float()
+        p = self._buffers.get(key, "p", (layout.p_numel,), torch.float32, m.device)
+        self.orthonormalize(self.project_p(m, layout, key, p), layout)
+        q = self.project_q(m, p, layout, key)
         self.remember(key, q)
-        return Encoded((p, q), tensor.shape, tensor.dtype)
+        dense = self._buffers.get(key, "dense", (layout.dense_numel,), torch.float32, m.device)
+        layout.gather_dense(m, dense)
+        return Encoded((p, q, dense), tensor.shape, tensor.dtype, context=layout)
 
     def decode(self, encoded: Encoded, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        p, q = encoded.tensors
+        p, q, dense = encoded.tensors
         dst = output(out, encoded, p.device)
         if encoded.numel:
-            self.expand(p, q, dst)
+            if dst.dtype == torch.float32:
+                self.expand(encoded.context, p, q, dst, dense)
+            else:
+                dst.copy_(self.expand(encoded.context, p, q, torch.empty(dst.numel(), device=dst.device), dense))
         return dst.view(encoded.shape)
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,10 +250,10 @@ class PowerSGDCodec(Codec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._q = {k: v.clone() for k, v in state["q"].items()}
 
-    def _start_q(self, key: Hashable | None, cols: int, rank: int, device: torch.device) -> torch.Tensor:
+    def _start_q(self, key: Hashable | None, layout: Layout, device: torch.device) -> torch.Tensor:
         q = self._q.get(key)
-        if q is not None and q.shape == (cols, rank):
+        if q is not None and q.numel() == layout.q_numel:
             return q.to(device)
         # crc32, not hash(): the same seed must give the same Q in every process
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}".encode()))
-        return torch.randn(cols, rank, generator=generator).to(device)
+        return torch.randn(layout.q_numel, generator=generator).to(device)

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import tomllib
 import types
 import typing
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from poise.cluster.links import format_rate, parse_delay, parse_rate
+from poise.cluster.state import MAX_NODES, validate_name
 from poise.files import write_text_atomic
 
 TASK_NAMES = ("code-lm", "digits")
@@ -30,6 +33,9 @@ BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_STRATEGIES = ("static", "cost", "dynamic")
 # Gradient codecs (poise.comm.codecs.CODECS) plus torch's own hooks, for comparison.
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16", "torch-powersgd")
+# poise.balance.partition.METHODS and poise.pipeline.stage.SCHEDULES, by name.
+PARTITION_METHODS = ("exact", "uniform", "parameters", "greedy")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
 MAX_LOCAL_WORKERS = 64
 
@@ -129,7 +135,14 @@ class DistConfig:
     rdzv_id: str = _field("poise", "job id shared by all machines of one job")
     backend: str = _field("auto", f"process-group backend: {', '.join(BACKENDS)} (auto: nccl with CUDA)")
     timeout_s: float = _field(120.0, "timeout of every collective and store wait, in seconds")
-    threads_per_worker: int = _field(0, "torch CPU threads per worker (0 = cores / local workers)")
+    threads_per_worker: int = _field(0, "torch CPU threads per worker (0 = cores / workers on this machine)")
+    local_addr: str = _field(
+        "", "address of this machine that the agent and workers use for the rendezvous ('' = its hostname's)"
+    )
+    rdzv_is_host: bool | None = _field(
+        None, "whether this machine's agent hosts the c10d rendezvous store (unset = when the endpoint is its own)"
+    )
+    socket_ifname: str = _field("", "network interface gloo/NCCL sockets bind to ('' = the backend's choice)")
     max_restarts: int = _field(0, "times the launcher restarts the workers after one fails (see --checkpoint-every)")
 
     def __post_init__(self) -> None:
@@ -153,6 +166,20 @@ class DistConfig:
             raise ValueError(f"dist.threads_per_worker={self.threads_per_worker} must be >= 0")
         if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
             raise ValueError(f"dist.rdzv_endpoint={self.rdzv_endpoint!r} is invalid: give HOST:PORT")
+        if self.local_addr and not re.fullmatch(r"[A-Za-z0-9.:_-]+", self.local_addr):
+            raise ValueError(f"dist.local_addr={self.local_addr!r} is invalid: give a host name or an IP address")
+        if self.socket_ifname and not re.fullmatch(r"[A-Za-z0-9._-]{1,15}", self.socket_ifname):
+            raise ValueError(
+                f"dist.socket_ifname={self.socket_ifname!r} is invalid: give an interface name of 1-15 characters"
+            )
+        if not self.rdzv_endpoint and (self.local_addr or self.rdzv_is_host is not None):
+            raise ValueError("dist.local_addr and dist.rdzv_is_host only apply to multi-node jobs: "
+                             "set dist.rdzv_endpoint=HOST:PORT as well")
+
+
+# Settings that differ from machine to machine in one job: left out of the config hash that
+# ranks compare, since every machine writes its own config file.
+NODE_LOCAL_SETTINGS = {"dist": ("node_rank", "local_addr", "rdzv_is_host", "socket_ifname")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +270,46 @@ class CommConfig:
             raise ValueError(f"comm.on_nonfinite={self.on_nonfinite!r} is unknown: allowed are error, skip")
 
 
+DEFAULT_LINK = format_rate(10**9)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """An emulated multi-node cluster on this machine (see poise/cluster/): each node a network
+    namespace behind a rate-shaped link. Needs root. ``dist.nproc`` is the workers per node."""
+
+    nodes: int = _field(0, "emulated nodes to run the job on (0 = none: run on this machine's own network)")
+    link: str = _field(DEFAULT_LINK, "rate of every node's link, each direction, e.g. 100mbit, 1gbit, 10gbit "
+                                     "(a named cluster's own rate by default)")
+    delay: str = _field("", "one-way delay added to each direction of every link, e.g. 2ms (needs netem)")
+    name: str = _field("", "run on this cluster from 'poise cluster up' ('' = bring one up for the job, down after)")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nodes, bool) or not 0 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"cluster.nodes={self.nodes!r} is invalid: allowed is 0..{MAX_NODES} (0 = no cluster)")
+        if self.name:
+            validate_name(self.name)
+        parse_rate(self.link)
+        parse_delay(self.delay)
+        if not self.enabled and (parse_rate(self.link) != parse_rate(DEFAULT_LINK) or self.delay):
+            raise ValueError("cluster.link and cluster.delay only apply with cluster.nodes >= 1 or cluster.name")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the job runs on an emulated cluster."""
+        return self.nodes > 0 or bool(self.name)
+
+    @property
+    def link_rate_bit_per_s(self) -> int:
+        """The link rate in bits per second."""
+        return parse_rate(self.link)
+
+    @property
+    def delay_s(self) -> float:
+        """The one-way link delay in seconds (0 = none)."""
+        return parse_delay(self.delay)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DiagnosticsConfig:
     """What is measured and written."""
@@ -301,6 +368,49 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline parallelism (``poise pipeline``): one stage per worker, see poise/pipeline/."""
+
+    schedule: str = _field("1f1b", f"pipeline schedule: {', '.join(PIPELINE_SCHEDULES)}")
+    micro_batches: int = _field(4, "micro-batches per step (train.batch_size samples are cut into this many)")
+    partition: str = _field("exact", f"how layers are split into stages: {', '.join(PARTITION_METHODS)}")
+    link_bandwidth_bytes_per_s: float = _field(
+        0.0, "link bandwidth between stages for the plan's communication cost (0 = not modelled)"
+    )
+    memory_cap_bytes: float = _field(0.0, "most bytes one stage may hold, exact plan only (0 = no cap)")
+    profile_repeats: int = _field(5, "timed runs per layer when profiling (median is used)")
+    profile_warmup: int = _field(2, "untimed runs per layer before profiling")
+    warmup_steps: int = _field(2, "first steps left out of the measured stage times")
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"pipeline.schedule={self.schedule!r} is unknown: allowed are {', '.join(PIPELINE_SCHEDULES)}"
+            )
+        if self.partition not in PARTITION_METHODS:
+            raise ValueError(
+                f"pipeline.partition={self.partition!r} is unknown: allowed are {', '.join(PARTITION_METHODS)}"
+            )
+        _positive("pipeline", "micro_batches", self.micro_batches, allow_none=False)
+        _positive("pipeline", "profile_repeats", self.profile_repeats, allow_none=False)
+        if self.link_bandwidth_bytes_per_s < 0 or self.memory_cap_bytes < 0:
+            raise ValueError(
+                f"pipeline.link_bandwidth_bytes_per_s={self.link_bandwidth_bytes_per_s} and "
+                f"pipeline.memory_cap_bytes={self.memory_cap_bytes} must be >= 0"
+            )
+        if self.profile_warmup < 0 or self.warmup_steps < 0:
+            raise ValueError(
+                f"pipeline.profile_warmup={self.profile_warmup} and pipeline.warmup_steps={self.warmup_steps} "
+                "must be >= 0"
+            )
+        if self.memory_cap_bytes and self.partition != "exact":
+            raise ValueError(
+                f"pipeline.memory_cap_bytes={self.memory_cap_bytes:g} needs pipeline.partition='exact', "
+                f"not {self.partition!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """A whole run: the sections above plus where outputs go."""
 
@@ -310,8 +420,10 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
@@ -325,6 +437,17 @@ class RunConfig:
                 f"train.batch_tokens={self.train.batch_tokens} is below task.max_seq_len="
                 f"{self.task.max_seq_len}: a budget must fit at least one full sample"
             )
+        if self.cluster.enabled:
+            d = self.dist
+            given = [f"dist.{k}" for k, v in (("nnodes", d.nnodes != "1"), ("rdzv_endpoint", d.rdzv_endpoint),
+                                              ("node_rank", d.node_rank is not None), ("local_addr", d.local_addr),
+                                              ("rdzv_is_host", d.rdzv_is_host is not None),
+                                              ("socket_ifname", d.socket_ifname)) if v]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} cannot be set with an emulated cluster (cluster.nodes/cluster.name): "
+                    "it places the nodes and the rendezvous itself"
+                )
 
     @property
     def checkpoint_dir(self) -> str:
@@ -478,6 +601,10 @@ def save(config: RunConfig, path: str | Path) -> Path:
 
 
 def config_hash(config: RunConfig) -> str:
-    """sha256 of the canonical JSON of every setting; equal on ranks that agree."""
-    canonical = json.dumps(to_dict(config), sort_keys=True, separators=(",", ":"))
+    """sha256 of the canonical JSON of every setting but the node-local ones; equal on ranks that agree."""
+    data = to_dict(config)
+    for section, names in NODE_LOCAL_SETTINGS.items():
+        for name in names:
+            data[section].pop(name, None)
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

@@ -30,17 +30,20 @@ def output_dir(requested: str, family: str) -> Path:
     return out
 
 
-def run_train_job(name: str, out_dir: Path, train_args: Sequence[str], timeout_s: float) -> dict[str, Any]:
-    """Run ``poise train`` (the real CLI and launcher) in a subprocess; return its report.
+def run_train_job(
+    name: str, out_dir: Path, train_args: Sequence[str], timeout_s: float, *, command: str = "train"
+) -> dict[str, Any]:
+    """Run ``poise train`` (or another job ``command``, e.g. ``pipeline``: the real CLI and
+    launcher) in a subprocess; return its report.
 
-    Output goes to ``out_dir/name/train.log``; a failed job raises RuntimeError naming it.
+    Output goes to ``out_dir/name/<command>.log``; a failed job raises RuntimeError naming it.
     """
     out = out_dir / name
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "poise", "train", *train_args, "--out", str(out),
+    cmd = [sys.executable, "-m", "poise", command, *train_args, "--out", str(out),
            "--diagnostics.progress", "false", "--diagnostics.plot", "false"]
-    log.info("bench job %s: poise train %s", name, " ".join(train_args))
-    log_path = out / "train.log"
+    log.info("bench job %s: poise %s %s", name, command, " ".join(train_args))
+    log_path = out / f"{command}.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s)
     if proc.returncode != 0:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from poise.cli import bench, train
+from poise.cli import bench, cluster, pipeline, train
 from poise.log import setup_logging
 
 log = logging.getLogger("poise.cli")
@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="poise", description="Balanced, communication-efficient distributed training.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train.add_parser(sub)
+    pipeline.add_parser(sub)
     bench.add_parser(sub)
+    cluster.add_parser(sub)
     return parser
 
 

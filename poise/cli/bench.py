@@ -9,10 +9,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from poise.bench import balance, checkpoint, codecs, scaling
+from poise.bench import balance, checkpoint, codecs, partition, scaling
 
 FAMILIES: dict[str, ModuleType] = {
-    "scaling": scaling, "balance": balance, "codecs": codecs, "checkpoint": checkpoint,
+    "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "checkpoint": checkpoint,
 }
 
 

@@ -33,6 +33,7 @@ ALIASES = {
     "--codec": "comm.codec",
     "--topk-ratio": "comm.topk_ratio",
     "--bucket-mb": "comm.bucket_mb",
+    "--link": "cluster.link",
     "--max-restarts": "dist.max_restarts",
     "--fail-at": "faults.fail_at",
     "--checkpoint-every": "checkpoint.every_steps",
@@ -45,11 +46,17 @@ SWITCHES = {
     "--checkpoint-async": "checkpoint.async_save",
     "--checkpoint-differential": "checkpoint.differential",
 }
+# Two settings in one flag: "A:B" sets the first key to A and the second to B; "A" the first only.
+# flag -> (keys, metavar, help)
+PAIRS = {
+    "--cluster": (("cluster.nodes", "dist.nproc"), "N[:M]", "run on an emulated cluster of N nodes, M workers each"),
+}
 _PREFIX = "config:"
+_PAIR_PREFIX = "pair:"
 
 
 def _fields() -> dict[str, tuple[Any, str]]:
-    """Dotted key -> (type, help) for every config field."""
+    """Dotted key -> (type, help) for every config field (help escaped for argparse's %-formatting)."""
     out: dict[str, tuple[Any, str]] = {}
     top = cfg.field_types(cfg.RunConfig)
     for f in dataclasses.fields(cfg.RunConfig):
@@ -57,17 +64,18 @@ def _fields() -> dict[str, tuple[Any, str]]:
             section = cfg.SECTIONS[f.name]
             types_ = cfg.field_types(section)
             for sf in dataclasses.fields(section):
-                out[f"{f.name}.{sf.name}"] = (types_[sf.name], sf.metadata.get("help", ""))
+                out[f"{f.name}.{sf.name}"] = (types_[sf.name], sf.metadata.get("help", "").replace("%", "%%"))
         else:
-            out[f.name] = (top[f.name], f.metadata.get("help", ""))
+            out[f.name] = (top[f.name], f.metadata.get("help", "").replace("%", "%%"))
     return out
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE``, the aliases and every ``--section.field`` flag to ``parser``."""
+def add_config_flags(parser: argparse.ArgumentParser, extra_aliases: dict[str, str] | None = None) -> None:
+    """Add ``--config FILE``, the aliases (plus a command's own ``extra_aliases``) and every
+    ``--section.field`` flag to ``parser``."""
     parser.add_argument("--config", metavar="FILE", help="TOML config file (flags override it)")
     fields = _fields()
-    for flag, key in ALIASES.items():
+    for flag, key in {**ALIASES, **(extra_aliases or {})}.items():
         parser.add_argument(flag, dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V",
                             help=f"{fields[key][1]} (= --{key})")
     for flag, key in SWITCHES.items():
@@ -76,6 +84,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                             help=f"{fields[key][1]} (= --{key} true; {negated} turns it off)")
         parser.add_argument(negated, dest=_PREFIX + key, action="store_const", const="false",
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for flag, ((first, second), metavar, help_) in PAIRS.items():
+        a, b = metavar.replace("[", "").replace("]", "").split(":")  # "N[:M]" -> N, M
+        parser.add_argument(flag, dest=_PAIR_PREFIX + flag, default=argparse.SUPPRESS, metavar=metavar,
+                            help=f"{help_} (= --{first} {a} --{second} {b})")
     group = parser.add_argument_group("every setting")
     for key, (_, help_) in fields.items():
         group.add_argument(f"--{key}", dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V", help=help_)
@@ -83,11 +95,20 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The flags that were given, as a nested dict of raw strings (the config coerces them)."""
-    nested: dict[str, Any] = {}
+    given = {dest[len(_PREFIX):]: value for dest, value in vars(args).items() if dest.startswith(_PREFIX)}
     for dest, value in vars(args).items():
-        if not dest.startswith(_PREFIX):
+        if not dest.startswith(_PAIR_PREFIX):
             continue
-        section, _, name = dest[len(_PREFIX):].rpartition(".")
+        flag = dest[len(_PAIR_PREFIX):]
+        parts = str(value).split(":")
+        if len(parts) > 2 or not all(p.strip() for p in parts):
+            raise ValueError(f"{flag} {value!r} is invalid: give {PAIRS[flag][1]}")
+        for key, part in zip(PAIRS[flag][0], parts, strict=False):
+            if given.setdefault(key, part) != part:
+                raise ValueError(f"{flag} {value!r} sets {key}={part}, but --{key} {given[key]} is given too")
+    nested: dict[str, Any] = {}
+    for key, value in given.items():
+        section, _, name = key.rpartition(".")
         if section:
             nested.setdefault(section, {})[name] = value
         else:
@@ -95,7 +116,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     return nested
 
 
-def resolve(args: argparse.Namespace) -> cfg.RunConfig:
-    """defaults < ``--config`` file < flags, validated (raises one-line ValueError)."""
+def resolve(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> cfg.RunConfig:
+    """defaults < ``--config`` file < ``defaults`` (nested, e.g. an existing cluster's shape) < flags,
+    validated (raises one-line ValueError)."""
     base = cfg.load_toml(args.config) if args.config else {}
-    return cfg.from_dict(cfg.merge(base, overrides(args)))
+    return cfg.from_dict(cfg.merge(cfg.merge(base, defaults or {}), overrides(args)))

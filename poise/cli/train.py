@@ -2,7 +2,8 @@
 
 The launcher is torch.distributed.run (the code behind ``torchrun``), called in-process with
 the same arguments a user would type: standalone rendezvous on one machine, or
-``--nnodes/--node-rank/--rdzv-endpoint`` for multi-node jobs. Every worker runs
+``--nnodes/--node-rank/--rdzv-endpoint`` for multi-node jobs; with ``--cluster N:M``, one launcher
+per node of an emulated cluster (:mod:`poise.cluster.job`). Every worker runs
 :mod:`poise.runtime.worker` on the resolved ``config.toml``. When a worker fails, the
 launcher stops the others and we exit non-zero naming the failed rank and its error.
 """
@@ -36,38 +37,50 @@ def default_out_dir() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
 
-def launcher_args(config: cfg.RunConfig, config_path: Path) -> list[str]:
-    """torchrun arguments for this config (what a user would type after ``torchrun``)."""
-    d = config.dist
-    args = [f"--nproc-per-node={d.nproc}", f"--nnodes={d.nnodes}", f"--max-restarts={d.max_restarts}",
+WORKER_MODULE = "poise.runtime.worker"
+
+
+def launcher_args(dist: cfg.DistConfig, config_path: Path, module: str = WORKER_MODULE) -> list[str]:
+    """torchrun arguments for one machine's agent (what a user would type after ``torchrun``)."""
+    args = [f"--nproc-per-node={dist.nproc}", f"--nnodes={dist.nnodes}", f"--max-restarts={dist.max_restarts}",
             "--monitor-interval=0.5"]
-    if d.rdzv_endpoint:
-        args += [f"--rdzv-backend={d.rdzv_backend}", f"--rdzv-endpoint={d.rdzv_endpoint}", f"--rdzv-id={d.rdzv_id}"]
-        if d.node_rank is not None:
-            args.append(f"--node-rank={d.node_rank}")
-    elif d.nnodes != "1":
-        raise ValueError(f"dist.nnodes={d.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
+    if dist.rdzv_endpoint:
+        args += [f"--rdzv-backend={dist.rdzv_backend}", f"--rdzv-endpoint={dist.rdzv_endpoint}",
+                 f"--rdzv-id={dist.rdzv_id}"]
+        if dist.node_rank is not None:
+            args.append(f"--node-rank={dist.node_rank}")
+        if dist.local_addr:
+            args.append(f"--local-addr={dist.local_addr}")
+        if dist.rdzv_is_host is not None:
+            args.append(f"--rdzv-conf=is_host={int(dist.rdzv_is_host)}")
+    elif dist.nnodes != "1":
+        raise ValueError(f"dist.nnodes={dist.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
     else:
         args.append("--standalone")
-    return [*args, "-m", "poise.runtime.worker", "--config", str(config_path)]
+    return [*args, "-m", module, "--config", str(config_path)]
 
 
-def launch(config: cfg.RunConfig, config_path: Path) -> int:
-    """Run the workers through torch.distributed.run; returns 0 or 1 (a worker failed)."""
+def launch(dist: cfg.DistConfig, config_path: Path, *, module: str = WORKER_MODULE, command: str = "train") -> int:
+    """Run this machine's workers of ``module`` through torch.distributed.run; returns 0 or 1 (a
+    worker failed). ``command`` names the ``poise`` subcommand in the failure message.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as elastic_run
 
     # torchrun would force 1 thread per worker and warn; the worker sets its own count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    argv = launcher_args(config, config_path)
+    if dist.socket_ifname:
+        # Without it gloo binds to the address the hostname resolves to, which may be loopback.
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = dist.socket_ifname
+    argv = launcher_args(dist, config_path, module)
     log.info("launching: torchrun %s", " ".join(argv))
     try:
         elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         sys.stderr.write(
-            f"poise train: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
+            f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
         )
         return 1
     return 0
@@ -87,12 +100,19 @@ def _error_line(message: object) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def run(args: argparse.Namespace) -> int:
+def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
+    """Resolve the flags into a config with an absolute ``out_dir`` and write ``config.toml`` there."""
     config = resolve(args)
+    if config.cluster.enabled:
+        from poise.cluster import job as cluster_job
+
+        if config.cluster.name:
+            # An existing cluster's shape and link fill in what the file and flags leave open.
+            config = resolve(args, cluster_job.cluster_defaults(config.cluster.name))
+        cluster_job.check_job(config)  # before anything is written
     # Absolute, so workers started from another directory (or node) write to the same place.
     out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
-    out = Path(config.out_dir)
     if config.checkpoint.resume:
         check_resumable(config)
     else:
@@ -102,9 +122,24 @@ def run(args: argparse.Namespace) -> int:
     if config.dist.max_restarts and not config.checkpoint.every_steps:
         log.warning("dist.max_restarts=%d without --checkpoint-every: a restarted job starts over from step 0",
                     config.dist.max_restarts)
-    config_path = cfg.save(config, out / "config.toml")
+    config_path = cfg.save(config, Path(config.out_dir) / "config.toml")
     log.info("resolved config written to %s", config_path)
-    code = launch(config, config_path.resolve())
+    return config, config_path.resolve()
+
+
+def launch_job(config: cfg.RunConfig, config_path: Path, *, module: str = WORKER_MODULE, command: str = "train") -> int:
+    """Run the recorded job: on this machine, or across the nodes of its emulated cluster."""
+    if config.cluster.enabled:
+        from poise.cluster.job import run_on_cluster
+
+        return run_on_cluster(config, config_path, module=module, command=command)
+    return launch(config.dist, config_path, module=module, command=command)
+
+
+def run(args: argparse.Namespace) -> int:
+    config, config_path = record_config(args)
+    out = Path(config.out_dir)
+    code = launch_job(config, config_path)
     report_path = out / "report.json"
     if code == 0 and report_path.exists():
         _show_summary(report_path)

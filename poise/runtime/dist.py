@@ -126,11 +126,13 @@ def check_config_agreement(config: RunConfig, ctx: DistContext) -> None:
         )
 
 
-def threads_for(config: DistConfig, local_world_size: int) -> int:
-    """CPU threads per worker: the configured number, or this machine's cores shared evenly."""
-    if config.threads_per_worker:
-        return config.threads_per_worker
-    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+def threads_for(config: RunConfig, local_world_size: int) -> int:
+    """CPU threads per worker: the configured number, or this machine's cores shared evenly by
+    its workers: ``local_world_size`` per node, and all nodes of an emulated cluster share it."""
+    if config.dist.threads_per_worker:
+        return config.dist.threads_per_worker
+    workers_on_machine = local_world_size * max(1, config.cluster.nodes)
+    return max(1, (os.cpu_count() or 1) // max(1, workers_on_machine))
 
 
 def close(*, synchronize: bool) -> None:

@@ -152,7 +152,7 @@ def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int) -> tup
 def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     """Run the configured job on this rank; rank 0 writes the outputs and returns the report."""
     started = time.perf_counter()
-    threads = rdist.threads_for(config.dist, ctx.local_world_size)
+    threads = rdist.threads_for(config, ctx.local_world_size)
     torch.set_num_threads(threads)
     seed_everything(config.train.seed, ctx.rank)
     task = build_task_once_per_node(config, ctx)

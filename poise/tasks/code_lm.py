@@ -130,6 +130,42 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class ByteEmbedding(nn.Module):
+    """Token + learned position embedding, ``[B, L]`` byte ids -> ``[B, L, d_model]``.
+
+    The first layer of :meth:`ByteTransformer.pipeline_layers`; it shares the model's tables.
+    """
+
+    def __init__(self, token_embedding: nn.Embedding, position_embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.token_embedding = token_embedding
+        self.position_embedding = position_embedding
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.position_embedding.num_embeddings:
+            raise ValueError(
+                f"input of {length} bytes exceeds max_seq_len={self.position_embedding.num_embeddings}"
+            )
+        positions = torch.arange(length, device=tokens.device)
+        return self.token_embedding(tokens) + self.position_embedding(positions)
+
+
+class OutputHead(nn.Module):
+    """Final LayerNorm and the byte head, ``[B, L, d_model]`` -> ``[B, L, 256]`` logits.
+
+    The last layer of :meth:`ByteTransformer.pipeline_layers`; it shares the model's modules.
+    """
+
+    def __init__(self, final_norm: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.final_norm = final_norm
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.final_norm(x))
+
+
 class ByteTransformer(nn.Module):
     """Decoder-only byte language model: ``[B, L]`` byte ids -> ``[B, L, 256]`` logits.
 
@@ -153,15 +189,23 @@ class ByteTransformer(nn.Module):
         self.head = nn.Linear(d_model, VOCAB_SIZE)
         self.apply(_init_weights)
 
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The forward pass as layers applied one after the other, sharing this model's
+        parameters: the embedding, every block, the output head. A pipeline cuts between them.
+
+        (Built on demand rather than stored, so the state dict keeps one name per tensor.)
+        """
+        return [
+            ByteEmbedding(self.token_embedding, self.position_embedding),
+            *self.blocks,
+            OutputHead(self.final_norm, self.head),
+        ]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.shape[1]
-        if length > self.max_seq_len:
-            raise ValueError(f"input of {length} bytes exceeds max_seq_len={self.max_seq_len}")
-        positions = torch.arange(length, device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))
+        x = tokens
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
 
 
 def _init_weights(module: nn.Module) -> None:

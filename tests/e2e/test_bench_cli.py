@@ -59,6 +59,26 @@ def test_codecs_bench_kernel_and_training_tables(tmp_path):
     assert runs["sign"]["compression_ratio"] > 20
 
 
+def test_partition_bench_compares_methods_against_brute_force(tmp_path, cache_dir):
+    # --run-steps 0: the running pipeline is covered by tests/e2e/test_pipeline_cli.py
+    proc = run_poise("bench", "partition", "--stages", "2,3", "--layers", "2", "--d-model", "32", "--max-seq-len", "64",
+                     "--batch-size", "4", "--micro-batches", "2", "--repeats", "1", "--cases", "30",
+                     "--run-steps", "0", "--cache-dir", str(cache_dir), "--out", str(tmp_path), timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "random cost vectors" in proc.stdout and "vs optimal" in proc.stdout
+    data = json.loads((tmp_path / "partition.json").read_text())
+    rows = data["code_lm"]["rows"]
+    assert {(r["stages"], r["method"]) for r in rows} == {
+        (p, m) for p in (2, 3) for m in ("exact", "uniform", "parameters", "greedy")
+    }
+    assert all(r["vs_optimal"] == pytest.approx(1.0) for r in rows if r["method"] == "exact")
+    assert data["code_lm"]["profile"]["names"] == ["embedding", "block0", "block1", "head"]
+    summary = {r["method"]: r for r in data["random"]["summary"]}
+    assert summary["exact"]["optimal"] == 30 and summary["exact"]["vs_optimal_worst"] == pytest.approx(1.0)
+    assert all(summary[m]["vs_optimal_worst"] >= 1.0 for m in summary)
+    assert "running" not in data
+
+
 def test_checkpoint_bench_rejects_unknown_runs(tmp_path):
     proc = run_poise("bench", "checkpoint", "--runs", "b-sync-full,z", "--out", str(tmp_path), timeout_s=60)
     assert proc.returncode == 2

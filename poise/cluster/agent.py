@@ -1,0 +1,39 @@
+"""One node's launcher, run inside that node's namespace by :mod:`poise.cluster.job`.
+
+``ip netns exec <ns> python -m poise.cluster.agent --config FILE --dist JSON`` starts torch's
+elastic agent for this node exactly as ``poise train`` does on a real machine, with the node's
+:class:`poise.config.DistConfig` (node rank, rendezvous endpoint, local address, interface)
+given as JSON. The job's ``config.toml`` is the same file on every node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from poise.cli.train import WORKER_MODULE, launch
+from poise.config import DistConfig
+from poise.log import setup_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run this node's workers; returns 0, 1 (a worker failed) or 2 (bad arguments)."""
+    parser = argparse.ArgumentParser(prog="poise.cluster.agent")
+    parser.add_argument("--config", required=True, help="the job's resolved config.toml")
+    parser.add_argument("--dist", required=True, help="this node's DistConfig as a JSON object")
+    parser.add_argument("--module", default=WORKER_MODULE, help="the workers' module")
+    parser.add_argument("--command", default="train", help="the poise command, for messages")
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:
+        dist = DistConfig(**json.loads(args.dist))
+    except (ValueError, TypeError) as exc:
+        sys.stderr.write(f"poise.cluster.agent: error: {exc}\n")
+        return 2
+    return launch(dist, Path(args.config), module=args.module, command=args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

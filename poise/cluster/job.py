@@ -1,0 +1,246 @@
+"""Run one ``poise train`` job across the nodes of an emulated cluster.
+
+Each node gets its own torch elastic agent inside its namespace (:mod:`poise.cluster.agent`),
+with ``--nnodes N --node-rank i``, the c10d rendezvous on node 0's address, ``--local-addr``
+set to the node's own address and ``is_host`` set explicitly (inside a namespace the hostname
+resolves to 127.0.0.1, so torch can neither guess who hosts the store nor which address to
+advertise), and gloo bound to the node's interface. All traffic therefore goes to addresses
+inside the cluster's namespaces. The job's ``out_dir`` is on the shared file system; rank 0
+writes ``report.json`` there as usual, and each agent's output goes to ``cluster/node<i>.log``.
+
+When an agent fails, the others get a grace period to fail on their own (their peers are
+gone) and are then stopped; whatever still runs inside the nodes afterwards is stopped too, and
+a cluster brought up for the job is always taken down again, on Ctrl-C and SIGTERM as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from poise.cluster import net, topology
+from poise.cluster.state import NODE_IFNAME, ClusterState, node_namespace
+from poise.config import DistConfig, RunConfig
+from poise.runtime.dist import threads_for
+
+log = logging.getLogger(__name__)
+
+RDZV_PORT = 29400
+# After the first agent fails, the others have this long to notice and leave on their own.
+_FAILURE_GRACE_S = 15.0
+_STOP_GRACE_S = 10.0
+_RANK_FAILED = re.compile(r"rank \d+ failed .*")
+
+
+def cluster_defaults(name: str) -> dict[str, Any]:
+    """The settings a job on existing cluster ``name`` takes from it (nested, config layout).
+
+    Raises:
+        ValueError: when no such cluster is up.
+    """
+    state = _existing(name)
+    return {
+        "cluster": {"name": name, "nodes": state.nodes, "link": state.link,
+                    "delay": f"{state.delay_s * 1e6:g}us" if state.delay_s else ""},
+        "dist": {"nproc": state.procs_per_node},
+    }
+
+
+def check_job(config: RunConfig) -> None:
+    """Everything a cluster job needs, checked before anything is written or started.
+
+    Raises:
+        ValueError: not root, ``ip``/``tc`` or kernel support missing, the named cluster not
+            up, or its shape not the job's; one line each.
+    """
+    spec = config.cluster
+    if not spec.name:
+        net.require_support(delay=spec.delay_s > 0)
+        return
+    state = _existing(spec.name)
+    wanted = (spec.nodes, spec.link_rate_bit_per_s, spec.delay_s)
+    if wanted != (state.nodes, state.link_rate_bit_per_s, state.delay_s):
+        raise ValueError(
+            f"cluster {spec.name!r} has {state.nodes} node(s) at {state.link}, but the job asks for "
+            f"cluster.nodes={spec.nodes}, cluster.link={spec.link!r}, cluster.delay={spec.delay!r}"
+        )
+
+
+def run_on_cluster(config: RunConfig, config_path: Path, *, module: str, command: str) -> int:
+    """Run the job of ``config`` (saved at ``config_path``) on its emulated cluster: the workers
+    of ``module``, for ``poise COMMAND``.
+
+    With ``cluster.name`` the named cluster is used as it is; otherwise one of
+    ``cluster.nodes`` nodes is brought up for this job and taken down after it.
+
+    Returns:
+        0, or 1 when an agent failed (a line naming the node and rank goes to stderr).
+    """
+    check_job(config)
+    spec = config.cluster
+    if spec.name:
+        with _terminate_as_interrupt():
+            return _run_agents(_existing(spec.name), config, config_path, module, command)
+    name = f"job{os.getpid()}_{secrets.token_hex(2)}"
+    with _terminate_as_interrupt():
+        try:
+            state = topology.up(name, spec.nodes, config.dist.nproc, spec.link_rate_bit_per_s, spec.delay_s,
+                                owned_by_this_process=True)
+            return _run_agents(state, config, config_path, module, command)
+        finally:
+            topology.down(name)
+
+
+def node_dist(state: ClusterState, base: DistConfig, node: int, rdzv_id: str) -> DistConfig:
+    """Node ``node``'s launcher settings: the job's, placed on the cluster's addresses."""
+    return dataclasses.replace(
+        base, nnodes=str(state.nodes), node_rank=node, rdzv_backend="c10d", rdzv_id=rdzv_id,
+        rdzv_endpoint=f"{state.address(0)}:{RDZV_PORT}", local_addr=state.address(node),
+        rdzv_is_host=node == 0, socket_ifname=NODE_IFNAME,
+    )
+
+
+def _existing(name: str) -> ClusterState:
+    net.require_root()
+    state = ClusterState.load(name)
+    if state is None or state.phase != "up":
+        raise ValueError(f"cluster {name!r} is not up: start it with 'poise cluster up --name {name} --nodes N'")
+    return state
+
+
+def _run_agents(state: ClusterState, config: RunConfig, config_path: Path, module: str, command: str) -> int:
+    namespaces = [node_namespace(state.name, i) for i in range(state.nodes)]
+    busy = [ns for ns in namespaces if net.namespace_pids(ns)]
+    if busy:
+        raise ValueError(f"cluster {state.name!r} is busy: processes are running in {', '.join(busy)}")
+    logs = Path(config.out_dir) / "cluster"
+    logs.mkdir(parents=True, exist_ok=True)
+    rdzv_id = f"{state.name}-{secrets.token_hex(4)}"
+    threads = threads_for(config, config.dist.nproc)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    log.info("job %s on cluster %s: %d node(s) x %d worker(s), %s links, logs in %s",
+             rdzv_id, state.name, state.nodes, config.dist.nproc, state.link, logs)
+    agents: list[_Agent] = []
+    try:
+        for node, ns in enumerate(namespaces):
+            dist = node_dist(state, config.dist, node, rdzv_id)
+            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "poise.cluster.agent", "--config",
+                    str(config_path), "--dist", json.dumps(dataclasses.asdict(dist)), "--module", module,
+                    "--command", command]
+            agents.append(_Agent(node, argv, env, logs / f"node{node}.log", echo=node == 0))
+        return _wait(agents, command)
+    finally:
+        for agent in agents:
+            agent.stop()
+        leftovers = [pid for ns in namespaces for pid in net.namespace_pids(ns)]
+        if leftovers:
+            log.info("stopping %d process(es) the job left in cluster %s", len(leftovers), state.name)
+            net.stop_processes(leftovers)
+        for agent in agents:
+            agent.close()
+
+
+def _wait(agents: list[_Agent], command: str) -> int:
+    """Wait for every agent; returns 0, or 1 after naming the first that failed."""
+    first_failure: _Agent | None = None
+    failed_at = 0.0
+    while True:
+        running = [a for a in agents if a.proc.poll() is None]
+        if first_failure is None:
+            first_failure = next((a for a in agents if a.proc.returncode not in (None, 0)), None)
+            failed_at = time.monotonic()
+        if not running:
+            break
+        if first_failure is not None and time.monotonic() - failed_at > _FAILURE_GRACE_S:
+            log.warning("stopping node(s) %s after node %d failed", [a.node for a in running], first_failure.node)
+            break
+        time.sleep(0.2)
+    if first_failure is None:
+        return 0
+    first_failure.reader.join(timeout=5.0)
+    sys.stderr.write(
+        f"poise {command}: node {first_failure.node} failed (exit code {first_failure.proc.returncode}): "
+        f"{first_failure.failure_line()} (log: {first_failure.log_path})\n"
+    )
+    return 1
+
+
+class _Agent:
+    """One node's agent process, its output copied line by line to its log (and to stderr for node 0)."""
+
+    def __init__(self, node: int, argv: list[str], env: dict[str, str], log_path: Path, echo: bool) -> None:
+        self.node, self.log_path, self._echo = node, log_path, echo
+        self._log: IO[str] = open(log_path, "w")  # closed in close()
+        self._last_line = ""
+        self._rank_line = ""
+        # A session of its own: Ctrl-C reaches the front end only, which stops agents in order.
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.reader = threading.Thread(target=self._copy_output, name=f"node{node}-output", daemon=True)
+        self.reader.start()
+
+    def _copy_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            if line.strip():
+                self._last_line = line.strip()
+            match = _RANK_FAILED.search(line)
+            if match and not self._rank_line:
+                self._rank_line = match.group(0)
+            if self._echo:
+                sys.stderr.write(line)
+
+    def failure_line(self) -> str:
+        """The agent's own line naming the failed rank, else its last line of output."""
+        return self._rank_line or self._last_line or "(no output)"
+
+    def stop(self) -> None:
+        """SIGTERM the agent (torch's agent then stops its workers), SIGKILL after a grace period."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def close(self) -> None:
+        self.reader.join(timeout=5.0)
+        self._log.close()
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt meanwhile, so a terminated job still cleans up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

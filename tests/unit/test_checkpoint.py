@@ -80,6 +80,10 @@ def test_a_full_base_every_k_saves_and_pruning_keeps_the_bases_in_use(tmp_path):
     assert layout.newest_good(tmp_path / "checkpoints")[0] == "step-00000005"
 
 
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "poise.checkpoint.layout" and r.levelno >= logging.WARNING]
+
+
 @pytest.mark.parametrize("damage", ["bit-flip", "truncate", "no-manifest", "base-missing"])
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, damage, caplog):
     _save_run(tmp_path, differential=True, saves=3)
@@ -94,16 +98,17 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, damage,
         target.write_bytes(target.read_bytes()[:-100])
     elif damage == "no-manifest":
         (newest / layout.MANIFEST).unlink()
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="poise.checkpoint.layout"):
         if damage == "base-missing":
             # every differential builds on step 1: without it nothing can be restored
             (root / "step-00000001" / "model.pt").unlink()
             assert layout.newest_good(root) is None
-            assert len(caplog.records) == 3
+            assert len(_warnings(caplog)) == 3
             return
         name, _manifest = layout.newest_good(root)
     assert name == "step-00000002"
-    (warning,) = caplog.records
+    (warning,) = _warnings(caplog)
     assert warning.getMessage().startswith("skipping checkpoint step-00000003: ")
     assert "\n" not in warning.getMessage()
 

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -78,12 +79,27 @@ def launch(dist: cfg.DistConfig, config_path: Path, *, module: str = WORKER_MODU
     try:
         elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = root_failure(exc)
         sys.stderr.write(
             f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
         )
         return 1
     return 0
+
+
+def root_failure(exc: Any) -> tuple[int, Any]:
+    """The failure that caused the others: a rank killed by a signal other than the launcher's
+    own SIGTERM, if any, else the first to fail.
+
+    A worker that is killed writes no error record, so torchelastic stamps its failure only
+    when it notices it; by then a peer may have raised "connection closed by peer" and
+    stamped an earlier error that is a consequence, not the cause.
+    """
+    killed = {r: f for r, f in exc.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    if killed:
+        rank = min(killed, key=lambda r: killed[r].timestamp)
+        return rank, killed[rank]
+    return exc.get_first_failure()
 
 
 def _error_line(message: object) -> str:

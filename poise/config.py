@@ -97,10 +97,21 @@ class TrainConfig:
     warmup_steps: int = _field(10, "linear learning-rate warm-up, then cosine decay to 10%")
     grad_clip_norm: float = _field(1.0, "clip the global gradient norm to this (0 = off)")
     seed: int = _field(0, "seed for the model, data order and every rank's RNG")
+    accum_steps: int = _field(
+        1, "micro-batches per optimizer step (gradient accumulation); --checkpoint-every, --fail-at count micro-batches"
+    )
+    frozen: str = _field(
+        "", "parameter-name prefixes kept fixed, comma-separated (fine-tuning), e.g. 'blocks.0,token_embedding'"
+    )
+
+    def frozen_prefixes(self) -> tuple[str, ...]:
+        """``frozen`` parsed: the parameter-name prefixes kept fixed."""
+        return tuple(p.strip() for p in self.frozen.split(",") if p.strip())
 
     def __post_init__(self) -> None:
         for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr"):
             _positive("train", name, getattr(self, name))
+        _positive("train", "accum_steps", self.accum_steps, allow_none=False)
         if self.steps is not None and self.epochs is not None:
             raise ValueError(
                 f"train.steps={self.steps} and train.epochs={self.epochs} are both set: give one"
@@ -134,9 +145,12 @@ class DistConfig:
         None, "whether this machine's agent hosts the c10d rendezvous store (unset = when the endpoint is its own)"
     )
     socket_ifname: str = _field("", "network interface gloo/NCCL sockets bind to ('' = the backend's choice)")
+    max_restarts: int = _field(0, "times the launcher restarts the workers after one fails (see --checkpoint-every)")
 
     def __post_init__(self) -> None:
         _positive("dist", "nproc", self.nproc, allow_none=False)
+        if self.max_restarts < 0:
+            raise ValueError(f"dist.max_restarts={self.max_restarts} must be >= 0")
         if self.nproc > MAX_LOCAL_WORKERS:
             raise ValueError(
                 f"dist.nproc={self.nproc} is not sensible: allowed is 1..{MAX_LOCAL_WORKERS} "
@@ -323,6 +337,9 @@ class DiagnosticsConfig:
     log_every_steps: int = _field(10, "rank 0 logs a progress line this often")
     plot: bool = _field(True, "write timeline.png (matplotlib)")
     progress: bool = _field(True, "show a live progress bar on rank 0")
+    record_samples: bool = _field(
+        False, "write the sample indices each rank trains on, per step, to samples/rank-<r>.jsonl (exactly-once checks)"
+    )
 
     def __post_init__(self) -> None:
         _positive("diagnostics", "gather_every_steps", self.gather_every_steps, allow_none=False)
@@ -333,15 +350,40 @@ class DiagnosticsConfig:
 class FaultConfig:
     """Injected failures, for tests and demos of the failure path (see runtime/faults.py)."""
 
-    crash_rank: int = _field(-1, "rank that raises an error (-1 = none)")
-    crash_step: int = _field(-1, "step at which crash_rank raises")
+    fail_at: str = _field(
+        "", "RANK:STEP: that worker kills itself (SIGKILL) before that step, in the launcher's first attempt only"
+    )
 
     def __post_init__(self) -> None:
-        if (self.crash_rank < 0) != (self.crash_step < 0):
-            raise ValueError(
-                f"faults.crash_rank={self.crash_rank} and faults.crash_step={self.crash_step}: "
-                "set both (>= 0) or neither"
-            )
+        self.rank_step()  # validates
+
+    def rank_step(self) -> tuple[int, int] | None:
+        """``fail_at`` parsed: ``(rank, step)``, or None when no failure is planned."""
+        if not self.fail_at:
+            return None
+        rank, sep, step = self.fail_at.partition(":")
+        if not sep or not rank.strip().isdigit() or not step.strip().isdigit():
+            raise ValueError(f"faults.fail_at={self.fail_at!r} is invalid: give RANK:STEP, e.g. 1:30")
+        return int(rank), int(step)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Checkpoints and resuming (see poise/checkpoint/)."""
+
+    every_steps: int = _field(0, "save a checkpoint every this many steps, and at the end (0 = never)")
+    dir: str = _field("", "checkpoint directory ('' = <out_dir>/checkpoints)")
+    resume: bool = _field(False, "start from the newest good checkpoint in dir (it must exist)")
+    async_save: bool = _field(True, "write checkpoints in the background while training continues")
+    differential: bool = _field(True, "between full saves, write only the tensors that changed (exact, by hash)")
+    full_every: int = _field(10, "differential: every this many saves is a full one")
+    keep: int = _field(3, "newest checkpoints kept (plus the full bases they build on)")
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError(f"checkpoint.every_steps={self.every_steps} must be >= 0 (0 = no checkpoints)")
+        _positive("checkpoint", "full_every", self.full_every, allow_none=False)
+        _positive("checkpoint", "keep", self.keep, allow_none=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -401,6 +443,7 @@ class RunConfig:
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         if self.train.batch_tokens is not None and self.task.name != "code-lm":
@@ -424,6 +467,11 @@ class RunConfig:
                     f"{', '.join(given)} cannot be set with an emulated cluster (cluster.nodes/cluster.name): "
                     "it places the nodes and the rendezvous itself"
                 )
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints go: ``checkpoint.dir`` or ``<out_dir>/checkpoints``."""
+        return self.checkpoint.dir or os.path.join(self.out_dir, "checkpoints")
 
     @property
     def total_steps(self) -> int | None:

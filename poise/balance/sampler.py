@@ -13,6 +13,11 @@ terms (for exact gradient weighting) and how all ranks agree on the number of st
 - :class:`BalancedBatchSampler`: the shard planner (:mod:`poise.balance.sharding`): steps of
   a cost budget with length bucketing, split by predicted time using per-rank speeds that
   can be updated between steps.
+
+Resuming on another number of ranks (an elastic restart): ``load_state_dict`` of a state
+saved with a different ``world_size`` rebuilds the saved plan, takes the samples its epoch
+had not reached yet (:meth:`remaining_samples`) and plans only those over the new ranks
+(``set_epoch(epoch, remaining=...)``), so the epoch still trains on every sample once.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class _EpochSampler(ABC):
     @abstractmethod
     def global_batches(self, step: int) -> list[np.ndarray]:
         """Every rank's sample indices for ``step`` of the current epoch."""
+
+    @abstractmethod
+    def remaining_samples(self) -> np.ndarray:
+        """Sample indices of the current epoch's steps from ``position`` on (not trained on yet)."""
 
     def __iter__(self) -> Iterator[list[int]]:
         """This rank's batches from the current position to the end of the epoch."""
@@ -79,6 +88,7 @@ class StaticSchedule(_EpochSampler):
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.batch_size, self.batch_tokens = batch_size, batch_tokens
         self.epoch, self.position = 0, 0
+        self.remaining: np.ndarray | None = None
         self._steps: list[list[np.ndarray]] = []
         self.set_epoch(0)
         if not self._steps:
@@ -108,9 +118,48 @@ class StaticSchedule(_EpochSampler):
             longest = max(longest, length)
         return batches  # the last, partial batch is dropped like DistributedSampler's tail
 
-    def set_epoch(self, epoch: int) -> None:
-        """Plan ``epoch``: every rank's batches, cut to the count of the rank with fewest."""
+    def _deal(self, remaining: np.ndarray) -> list[list[np.ndarray]]:
+        """Steps over ``remaining`` only (in its order): samples dealt to ranks in turn, a step
+        closing when the next rank's batch is full. Nothing is dropped: a last step too small
+        to give every rank a sample joins the step before it."""
+        steps: list[list[np.ndarray]] = []
+        current: list[list[int]] = [[] for _ in range(self.world_size)]
+        k = 0
+        for idx in remaining.tolist():
+            r = k % self.world_size
+            batch = current[r]
+            if self.batch_size is not None:
+                full = len(batch) >= self.batch_size
+            else:
+                assert self.batch_tokens is not None
+                longest = max([int(self.lengths[i]) for i in batch] + [int(self.lengths[idx])])
+                full = bool(batch) and longest * (len(batch) + 1) > self.batch_tokens
+            if full and k >= self.world_size:
+                steps.append([np.asarray(b, dtype=np.int64) for b in current])
+                current, k, r = [[] for _ in range(self.world_size)], 0, 0
+            current[r].append(idx)
+            k += 1
+        if k >= self.world_size:
+            steps.append([np.asarray(b, dtype=np.int64) for b in current])
+        elif k and steps:
+            for j, idx in enumerate(i for b in current for i in b):
+                last = steps[-1][j % self.world_size]
+                steps[-1][j % self.world_size] = np.append(last, idx)
+        elif k:
+            raise ValueError(f"{k} samples left in the epoch cannot give each of {self.world_size} ranks one")
+        return steps
+
+    def set_epoch(self, epoch: int, remaining: np.ndarray | None = None) -> None:
+        """Plan ``epoch``: every rank's batches, cut to the count of the rank with fewest.
+
+        With ``remaining``, plan only those samples (the rest of an epoch resumed on another
+        number of ranks) and drop none of them.
+        """
         self.epoch, self.position = epoch, 0
+        self.remaining = None if remaining is None else np.asarray(remaining, dtype=np.int64)
+        if self.remaining is not None:
+            self._steps = self._deal(self.remaining)
+            return
         per_rank = [self._rank_batches(r) for r in range(self.world_size)]
         steps = min(len(b) for b in per_rank)
         self._steps = [[per_rank[r][i] for r in range(self.world_size)] for i in range(steps)]
@@ -119,11 +168,24 @@ class StaticSchedule(_EpochSampler):
         """Every rank's sample indices for ``step`` of the current epoch."""
         return self._steps[step]
 
+    def remaining_samples(self) -> np.ndarray:
+        rest = [b for step in self._steps[self.position :] for b in step]
+        return np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "world_size": self.world_size,
+                "remaining": None if self.remaining is None else self.remaining.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.set_epoch(int(state["epoch"]))
+        """Continue where ``state`` stopped; on another number of ranks, re-plan the epoch's rest."""
+        saved_world = int(state.get("world_size", self.world_size))
+        if saved_world != self.world_size:
+            saved = StaticSchedule(self.lengths, rank=0, world_size=saved_world, seed=self.seed,
+                                   batch_size=self.batch_size, batch_tokens=self.batch_tokens)
+            saved.load_state_dict(state)
+            self.set_epoch(saved.epoch, remaining=saved.remaining_samples())
+            return
+        self.set_epoch(int(state["epoch"]), state.get("remaining"))
         self.position = int(state["position"])
 
 
@@ -179,15 +241,20 @@ class BalancedBatchSampler(_EpochSampler):
         self.epoch, self.position = 0, 0
         self.set_epoch(0)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Plan the steps of ``epoch`` (with the current cost function) and rewind to its start."""
+    def set_epoch(self, epoch: int, remaining: np.ndarray | None = None) -> None:
+        """Plan the steps of ``epoch`` (with the current cost function) and rewind to its start.
+
+        With ``remaining``, plan only those samples (the rest of an epoch resumed on another
+        number of ranks).
+        """
         self.epoch, self.position = epoch, 0
+        self.remaining = None if remaining is None else np.asarray(remaining, dtype=np.int64)
         # Steps are grouped with the cost function of the epoch's start, so a cost refit
         # mid-epoch changes how steps are split, never which samples the epoch still holds.
         self._epoch_cost_fn = self.cost_fn
         self._plan = plan_epoch(
             self.lengths, cost_fn=self.cost_fn, batch_cost=self.batch_cost, num_ranks=self.world_size,
-            seed=self.seed, epoch=epoch, bucket_steps=self.bucket_steps,
+            seed=self.seed, epoch=epoch, bucket_steps=self.bucket_steps, subset=self.remaining,
         )
         if self.drop_last:
             keep = [self.cost_fn(self.lengths[self._plan.members(j)]).sum() >= 0.5 * self.batch_cost
@@ -233,13 +300,33 @@ class BalancedBatchSampler(_EpochSampler):
             # settled step boundaries: they depend on the speeds each step was taken with
             "bounds": self._plan.bounds.tolist(),
             "taken": self._plan.taken,
+            "world_size": self.world_size,
+            "remaining": None if self.remaining is None else self.remaining.tolist(),
         }
 
+    def remaining_samples(self) -> np.ndarray:
+        # Steps not taken yet may still trade samples at their boundaries, but only among
+        # themselves: together they hold the same samples whatever is settled later.
+        rest = [self._plan.members(int(j)) for j in self._plan.order[self.position :]]
+        return np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` stopped; on another number of ranks, re-plan the epoch's rest
+        (with equal speeds: the saved ones belong to ranks that are gone)."""
+        saved_world = int(state.get("world_size", self.world_size))
+        if saved_world != self.world_size:
+            saved = BalancedBatchSampler(
+                self.lengths, rank=0, world_size=saved_world, batch_cost=self.batch_cost, cost_fn=self.cost_fn,
+                seed=self.seed, drop_last=self.drop_last, bucket_steps=self.bucket_steps,
+            )
+            saved.load_state_dict(state)
+            self.cost_fn = saved.cost_fn
+            self.set_epoch(saved.epoch, remaining=saved.remaining_samples())
+            return
         if state.get("epoch_alpha") is not None:
             self.cost_fn = AttentionCost(float(state["epoch_alpha"]))
         self.set_speeds(state["speeds"])
-        self.set_epoch(int(state["epoch"]))  # regroups with the epoch's own cost function
+        self.set_epoch(int(state["epoch"]), state.get("remaining"))  # regroups with the epoch's own cost function
         if state.get("alpha") is not None:
             self.set_cost_fn(AttentionCost(float(state["alpha"])))
         self._plan.bounds = np.asarray(state["bounds"], dtype=np.int64)

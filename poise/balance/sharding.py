@@ -88,6 +88,7 @@ def plan_epoch(
     seed: int,
     epoch: int,
     bucket_steps: int = 50,
+    subset: np.ndarray | None = None,
 ) -> EpochPlan:
     """Cut one epoch into steps of about ``batch_cost`` cost units each (see module doc).
 
@@ -97,6 +98,8 @@ def plan_epoch(
         batch_cost: cost budget of one step summed over all ranks, in cost units.
         num_ranks: ranks that will share each step (each gets at least one sample).
         bucket_steps: steps' worth of samples sorted by length together.
+        subset: plan only these sample indices (the rest of an epoch resumed on another
+            number of ranks), still in the epoch's seeded order; None plans every sample.
 
     Raises:
         ValueError: for a non-positive budget or fewer samples than ranks.
@@ -104,9 +107,11 @@ def plan_epoch(
     lengths = np.asarray(lengths)
     if batch_cost <= 0:
         raise ValueError(f"batch_cost={batch_cost} must be positive (cost units per step over all ranks)")
-    if len(lengths) < num_ranks:
-        raise ValueError(f"{len(lengths)} samples cannot give each of {num_ranks} ranks one per step")
     order = epoch_order(len(lengths), seed, epoch)
+    if subset is not None:
+        order = order[np.isin(order, subset)]
+    if len(order) < num_ranks:
+        raise ValueError(f"{len(order)} samples cannot give each of {num_ranks} ranks one per step")
     window_of = np.floor(np.cumsum(cost_fn(lengths[order])) / (batch_cost * bucket_steps)).astype(np.int64)
     stream_parts, bounds, windows = [], [0], []
     offset = 0

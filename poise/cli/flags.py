@@ -35,9 +35,18 @@ ALIASES = {
     "--collective": "comm.collective",
     "--bucket-mb": "comm.bucket_mb",
     "--link": "cluster.link",
+    "--max-restarts": "dist.max_restarts",
+    "--fail-at": "faults.fail_at",
+    "--checkpoint-every": "checkpoint.every_steps",
+    "--checkpoint-dir": "checkpoint.dir",
 }
 # On/off switches: --NAME sets the boolean setting true, --no-NAME false.
-SWITCHES = {"--error-feedback": "comm.error_feedback"}
+SWITCHES = {
+    "--error-feedback": "comm.error_feedback",
+    "--resume": "checkpoint.resume",
+    "--checkpoint-async": "checkpoint.async_save",
+    "--checkpoint-differential": "checkpoint.differential",
+}
 # Two settings in one flag: "A:B" sets the first key to A and the second to B; "A" the first only.
 # flag -> (keys, metavar, help)
 PAIRS = {

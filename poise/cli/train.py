@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -48,7 +49,8 @@ def launcher_args(dist: cfg.DistConfig, config_path: Path | None, module: str = 
     The workers run ``python -m module --config config_path``, or ``module *module_args``
     when given (``poise diagnose``, whose workers take their own options).
     """
-    args = [f"--nproc-per-node={dist.nproc}", f"--nnodes={dist.nnodes}", "--max-restarts=0", "--monitor-interval=0.5"]
+    args = [f"--nproc-per-node={dist.nproc}", f"--nnodes={dist.nnodes}", f"--max-restarts={dist.max_restarts}",
+            "--monitor-interval=0.5"]
     if dist.rdzv_endpoint:
         args += [f"--rdzv-backend={dist.rdzv_backend}", f"--rdzv-endpoint={dist.rdzv_endpoint}",
                  f"--rdzv-id={dist.rdzv_id}"]
@@ -85,12 +87,27 @@ def launch(dist: cfg.DistConfig, config_path: Path | None, *, module: str = WORK
     try:
         elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = root_failure(exc)
         sys.stderr.write(
             f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
         )
         return 1
     return 0
+
+
+def root_failure(exc: Any) -> tuple[int, Any]:
+    """The failure that caused the others: a rank killed by a signal other than the launcher's
+    own SIGTERM, if any, else the first to fail.
+
+    A worker that is killed writes no error record, so torchelastic stamps its failure only
+    when it notices it; by then a peer may have raised "connection closed by peer" and
+    stamped an earlier error that is a consequence, not the cause.
+    """
+    killed = {r: f for r, f in exc.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    if killed:
+        rank = min(killed, key=lambda r: killed[r].timestamp)
+        return rank, killed[rank]
+    return exc.get_first_failure()
 
 
 def _error_line(message: object) -> str:
@@ -120,6 +137,15 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
     # Absolute, so workers started from another directory (or node) write to the same place.
     out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
+    if config.checkpoint.resume:
+        check_resumable(config)
+    else:
+        from poise.checkpoint import check_fresh_start
+
+        check_fresh_start(config)
+    if config.dist.max_restarts and not config.checkpoint.every_steps:
+        log.warning("dist.max_restarts=%d without --checkpoint-every: a restarted job starts over from step 0",
+                    config.dist.max_restarts)
     config_path = cfg.save(config, Path(config.out_dir) / "config.toml")
     log.info("resolved config written to %s", config_path)
     return config, config_path.resolve()
@@ -143,6 +169,33 @@ def run(args: argparse.Namespace) -> int:
     if code == 0 and report_path.exists():
         _show_summary(report_path)
     return code
+
+
+def check_resumable(config: cfg.RunConfig) -> None:
+    """Fail before launching when ``--resume`` has nothing to resume from.
+
+    Raises:
+        ValueError: the checkpoint directory is missing or holds no complete checkpoint.
+    """
+    from poise.checkpoint.layout import CorruptCheckpoint, list_checkpoints, read_manifest
+    from poise.checkpoint.state import config_problems
+
+    root = Path(config.checkpoint_dir)
+    if not root.is_dir():
+        raise ValueError(f"--resume: the checkpoint directory {str(root)!r} does not exist (see --checkpoint-dir)")
+    found = list_checkpoints(root)
+    if not found:
+        raise ValueError(f"--resume: {str(root)!r} holds no checkpoint")
+    for _, path in found:  # the newest readable manifest; the workers verify every file
+        try:
+            manifest = read_manifest(path)
+        except CorruptCheckpoint:
+            continue
+        problems = config_problems(manifest, config)
+        if problems:
+            raise ValueError(f"--resume: checkpoint {path} does not fit this run: {'; '.join(problems[:3])}"
+                             f"{f' (+{len(problems) - 3} more)' if len(problems) > 3 else ''}")
+        return
 
 
 def _show_summary(report_path: Path) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,12 +66,17 @@ class DataPlan:
     num_steps: int | None
     num_epochs: int | None
 
-    def steps(self) -> Iterator[list[np.ndarray]]:
-        """Every rank's batches, step after step, cycling epochs as needed."""
-        done, epoch = 0, 0
+    def steps(self, done: int = 0) -> Iterator[list[np.ndarray]]:
+        """Every rank's batches, step after step, cycling epochs as needed.
+
+        Starts at the schedule's current epoch and position, ``done`` steps into the run: a
+        resumed run (:meth:`load_state_dict`) continues exactly where the saved one stopped.
+        """
+        epoch = self.schedule.epoch
         while self.num_epochs is None or epoch < self.num_epochs:
-            self.schedule.set_epoch(epoch)
-            for i in range(len(self.schedule)):
+            if epoch != self.schedule.epoch:
+                self.schedule.set_epoch(epoch)
+            for i in range(self.schedule.position, len(self.schedule)):
                 if self.num_steps is not None and done >= self.num_steps:
                     return
                 batches = self.schedule.global_batches(i)
@@ -78,6 +84,20 @@ class DataPlan:
                 yield batches
                 done += 1
             epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's position (and plan state) and the re-planner's measurements."""
+        return {"schedule": self.schedule.state_dict(),
+                "partitioner": self.partitioner.state_dict() if self.partitioner else None}
+
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+        """Continue the saved position. ``rank_state`` is this rank's saved re-planner window
+        (None when the run resumes on another number of ranks: the shares and windows belonged
+        to ranks that are gone, so the re-planner starts over from equal shares)."""
+        same_world = int(state["schedule"].get("world_size", self.schedule.world_size)) == self.schedule.world_size
+        self.schedule.load_state_dict(state["schedule"])
+        if self.partitioner is not None and state.get("partitioner") and same_world and rank_state is not None:
+            self.partitioner.load_state_dict({**state["partitioner"], "window": rank_state["window"]})
 
     def total_steps(self) -> int:
         """Steps :meth:`steps` will yield (for epochs: planned now, before any re-fit of costs)."""
@@ -116,7 +136,9 @@ def build_data_plan(config: RunConfig, task: Task, ctx: DistContext) -> DataPlan
             replan_every_steps=b.replan_every_steps, max_share_change=b.max_share_change,
             fit_alpha=b.fit_alpha, device=ctx.device,
         )
-    return DataPlan(schedule, partitioner, config.total_steps, t.epochs)
+    # The schedule's steps are micro-batches: an optimizer step takes accum_steps of them.
+    micro_steps = None if config.total_steps is None else config.total_steps * t.accum_steps
+    return DataPlan(schedule, partitioner, micro_steps, t.epochs)
 
 
 def loss_scale(batches: list[np.ndarray], rank: int, targets: np.ndarray) -> float:

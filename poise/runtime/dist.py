@@ -22,6 +22,9 @@ from poise.config import DistConfig, RunConfig, config_hash
 log = logging.getLogger(__name__)
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Seconds to reach the store and meet the other ranks of an attempt (collectives use
+# dist.timeout_s): short, so that a restart whose peers never come fails fast.
+STORE_CONNECT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class DistContext:
     local_world_size: int
     backend: str
     device: torch.device
+    store: dist.Store | None = None  # this attempt's key-value store (checkpoint completion notes)
 
     @property
     def is_main(self) -> bool:
@@ -70,12 +74,38 @@ def init_from_env(config: DistConfig) -> DistContext:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    store = job_store(rank, config)
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.timeout_s)
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=config.timeout_s)
     )
-    ctx = DistContext(rank, world_size, local_rank, local_world_size, backend, device)
+    ctx = DistContext(rank, world_size, local_rank, local_world_size, backend, device, store)
     log.info("process group up: %d ranks, backend %s, device %s", world_size, backend, device)
     return ctx
+
+
+def job_store(rank: int, config: DistConfig) -> dist.Store:
+    """The key-value store this attempt's process group meets in.
+
+    After torchrun restarts the workers, a plain ``env://`` re-initialisation was unreliable
+    here: the launcher's store still holds the dead attempt's worker addresses, and new
+    workers could pick them up (in 13 tries: 5 recovered at once, 4 needed more restarts,
+    3 ran out of restarts, 1 hung). So we connect to the store ourselves and put every key
+    of this attempt under a prefix named after ``TORCHELASTIC_RESTART_COUNT``: an attempt
+    can only ever see its own keys. The connection has a short timeout, so a peer that never
+    arrives fails the attempt quickly and the launcher can try again.
+
+    Under torchrun the store server is the launcher's (``TORCHELASTIC_USE_AGENT_STORE``);
+    without it (a plain launcher setting ``MASTER_ADDR``/``MASTER_PORT``) rank 0 hosts it.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    connect_s = min(config.timeout_s, STORE_CONNECT_TIMEOUT_S)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_store and rank == 0, timeout=timedelta(seconds=connect_s),
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"poise/attempt-{attempt}/", store)
 
 
 def check_config_agreement(config: RunConfig, ctx: DistContext) -> None:

@@ -1,33 +1,52 @@
-"""Injected failures, as data: which rank fails at which step.
+"""Injected failures, as data: which rank dies at which step.
 
 Tests and demos of the failure path need a worker that dies at a known point, not a
 random one (the torchft EventInjector idea). The plan is built once from the config and
-checked at every step boundary; it never sleeps and never times anything.
+checked at every step boundary. The death is a real one: the process sends itself SIGKILL,
+so nothing is flushed, no exception handler runs and the launcher sees a killed worker,
+exactly like an out-of-memory kill or a lost machine. It happens in the launcher's first
+attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so that a restarted job can get past it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
+import sys
 from dataclasses import dataclass
 
 from poise.config import FaultConfig
 
+log = logging.getLogger(__name__)
 
-class InjectedFault(RuntimeError):
-    """Raised by a rank that the fault plan tells to fail."""
+
+def restart_count() -> int:
+    """How many times the launcher has restarted the workers (0 in the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 @dataclass(frozen=True)
 class FaultPlan:
-    """Crash ``crash_rank`` when it reaches ``crash_step`` (both -1: never)."""
+    """Kill ``rank`` when it reaches ``step`` (None: never), in the first attempt only."""
 
-    crash_rank: int = -1
-    crash_step: int = -1
+    rank: int | None = None
+    step: int | None = None
 
     @classmethod
     def from_config(cls, config: FaultConfig) -> FaultPlan:
-        return cls(config.crash_rank, config.crash_step)
+        planned = config.rank_step()
+        return cls(*planned) if planned else cls()
+
+    def due(self, rank: int, step: int, attempt: int) -> bool:
+        """Whether this rank must die before ``step`` in launcher attempt ``attempt``."""
+        return attempt == 0 and rank == self.rank and step == self.step
 
     def check(self, rank: int, step: int) -> None:
-        """Raise :class:`InjectedFault` if this rank is planned to fail at this step."""
-        if rank == self.crash_rank and step == self.crash_step:
-            raise InjectedFault(f"injected fault: rank {rank} fails at step {step}")
+        """Kill this process (SIGKILL) if the plan says so; return otherwise."""
+        if self.due(rank, step, restart_count()):
+            log.warning("injected fault: rank %d kills itself before step %d", rank, step)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -4,6 +4,11 @@ data → forward → backward (DDP's hook fires per bucket; the probe notes when
 last bucket was ready; the hook compresses and reduces) → clip → optimizer → scheduler.
 Returns a :class:`~poise.diagnostics.timeline.StepRecord`.
 
+With gradient accumulation a call is one micro-batch of an accumulation window: the loss is
+divided by the window's length, and every micro-batch but the window's last runs forward and
+backward under DDP's ``no_sync``, so gradients add up locally and nothing is communicated;
+the last one's backward reduces the sum, and only it clips and steps the optimizer.
+
 A step whose reduced gradients are not finite (a NaN/Inf a codec let through with
 ``comm.on_nonfinite='skip'``) skips the optimizer: the same on every rank, since every rank
 holds the same reduced gradient.
@@ -11,6 +16,7 @@ holds the same reduced gradient.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -48,12 +54,16 @@ def train_step(
     slowdown: Slowdown,
     grad_clip_norm: float,
     device: torch.device,
+    accum_steps: int = 1,
+    last_micro: bool = True,
 ) -> StepRecord:
     """Run one step on this rank's samples ``indices`` and return its timings (seconds) and counts.
 
     ``loss_scale`` multiplies the loss before backward, so that DDP's average of the ranks'
     gradients weights each rank by its share of the step's loss terms (runtime/data.py).
     ``comm_state`` is the comm hook's state (``reset_step()``, ``step_stats()``).
+    ``accum_steps`` > 1: this is one micro-batch; ``last_micro`` says whether it ends its
+    accumulation window (see module doc).
     """
     wall_start = time.time()
     t0 = time.perf_counter()
@@ -63,26 +73,32 @@ def train_step(
     probe.reset()
     comm_state.reset_step()
     slowdown.mark_s = t1
-    loss = task.train_loss(model, batch)
-    _sync(device)
-    slowdown.stretch()  # emulated slowness counts as this rank's compute (no-op normally)
-    t2 = time.perf_counter()
-    (loss * loss_scale).backward()
-    _sync(device)
+    # DDP's no_sync must cover the forward too: it arms (or not) the reduction there.
+    no_sync = getattr(model, "no_sync", None)
+    local_only = no_sync() if not last_micro and no_sync is not None else contextlib.nullcontext()
+    with local_only:
+        loss = task.train_loss(model, batch)
+        _sync(device)
+        slowdown.stretch()  # emulated slowness counts as this rank's compute (no-op normally)
+        t2 = time.perf_counter()
+        (loss * (loss_scale / accum_steps)).backward()
+        _sync(device)
     t3 = time.perf_counter()
     # No bucket reached the hook only if nothing needs a gradient; then there was no comm.
     ready = probe.last_ready_s if probe.last_ready_s is not None else t3
     comm_busy_s, comm_hidden_s = probe.comm_overlap(compute_end_s=ready)
 
-    # The total norm is needed anyway for clipping; it also tells whether the gradient is finite.
-    norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm if grad_clip_norm > 0 else math.inf)
-    skipped = not math.isfinite(float(norm))
-    if skipped:
-        log.warning("step %d: gradient norm is %s: optimizer step skipped", step, float(norm))
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    skipped = False
+    if last_micro:
+        # The total norm is needed anyway for clipping; it also tells whether the gradient is finite.
+        norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm if grad_clip_norm > 0 else math.inf)
+        skipped = not math.isfinite(float(norm))
+        if skipped:
+            log.warning("step %d: gradient norm is %s: optimizer step skipped", step, float(norm))
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
     loss_value = float(loss.detach())  # synchronises on CUDA; the step is over anyway
     t4 = time.perf_counter()
     stats = comm_state.step_stats()

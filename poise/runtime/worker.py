@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
+from poise import checkpoint
 from poise import config as config_mod
 from poise.comm import hooks as comm_hooks
 from poise.comm.hooks import BucketProbe, instrumented
@@ -36,7 +37,8 @@ from poise.log import setup_logging, step_progress
 from poise.runtime import dist as rdist
 from poise.runtime.data import build_data_plan, loss_scale
 from poise.runtime.evaluate import evaluate
-from poise.runtime.faults import FaultPlan
+from poise.runtime.faults import FaultPlan, restart_count
+from poise.runtime.samples import SampleLog
 from poise.runtime.slowdown import Slowdown, apply_slowdown
 from poise.runtime.step import train_step
 from poise.tasks.base import Task
@@ -96,6 +98,7 @@ def wrap_model(
     """
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
+    freeze(model, config.train.frozen_prefixes())
     comm_hooks.check_backend(config.comm, ctx.backend)
     bucket_cap_mb = config.comm.bucket_mb
     if comm_hooks.requires_single_bucket(config.comm):
@@ -112,6 +115,48 @@ def wrap_model(
     return ddp, probe, comm_state
 
 
+def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> None:
+    """Keep the parameters whose names start with one of ``prefixes`` fixed (fine-tuning).
+
+    Raises:
+        ValueError: for a prefix that names no parameter, or when nothing would be trained.
+    """
+    names = [n for n, _ in model.named_parameters()]
+    for prefix in prefixes:
+        if not any(n.startswith(prefix) for n in names):
+            roots = sorted({n.split(".")[0] for n in names})
+            raise ValueError(f"train.frozen: {prefix!r} names no parameter; top-level names are {', '.join(roots)}")
+    for name, param in model.named_parameters():
+        if name.startswith(prefixes):
+            param.requires_grad_(False)
+    if prefixes and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"train.frozen={','.join(prefixes)!r} freezes every parameter: nothing would train")
+
+
+def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int) -> tuple[str, dict] | None:
+    """The checkpoint to start from, agreed by all ranks (rank 0 looks, verifies and tells).
+
+    ``--resume`` asks for one (its absence is an error); after the launcher restarted the
+    workers, a job that saves checkpoints resumes from its newest good one, if any.
+    """
+    cc = config.checkpoint
+    if not cc.resume and not cc.every_steps:
+        return None
+    answer: list = [None, None]
+    if ctx.is_main:
+        try:
+            if cc.resume or attempt > 0:
+                answer[0] = checkpoint.find_resume_point(config, required=cc.resume and attempt == 0)
+            else:
+                checkpoint.check_fresh_start(config)
+        except ValueError as exc:
+            answer[1] = str(exc)
+    dist.broadcast_object_list(answer, src=0)
+    if answer[1]:
+        raise ValueError(answer[1])
+    return answer[0]
+
+
 def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     """Run the configured job on this rank; rank 0 writes the outputs and returns the report."""
     started = time.perf_counter()
@@ -124,25 +169,53 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     ddp, probe, comm_state = wrap_model(config, task, ctx, slowdown)
     data = build_data_plan(config, task, ctx)
     total_steps = data.total_steps()
-    optimizer = make_optimizer(ddp.parameters(), config, task)
-    scheduler = lr_schedule(optimizer, tc.warmup_steps, total_steps)
+    trainable = [p for p in ddp.parameters() if p.requires_grad]
+    optimizer = make_optimizer(trainable, config, task)
+    scheduler = lr_schedule(optimizer, tc.warmup_steps, math.ceil(total_steps / tc.accum_steps))
     timeline = Timeline(ctx.rank, ctx.world_size, config.diagnostics.gather_every_steps, ctx.device)
     faults = FaultPlan.from_config(config.faults)
+    attempt = restart_count()
+    start_step, resumed_from = 0, None
+    found = resume_point(config, ctx, attempt)
+    if found is not None:
+        resumed_from, manifest = found
+        state = checkpoint.load(config, resumed_from, manifest, rank=ctx.rank, world_size=ctx.world_size,
+                                model=ddp.module)
+        checkpoint.restore(state, model=ddp.module, optimizer=optimizer, scheduler=scheduler, data=data,
+                           comm_state=comm_state)
+        start_step = int(state.shared["step"])
+        log.info("resumed from %s at step %d (launcher attempt %d)", resumed_from, start_step, attempt)
+    saver = None
+    if config.checkpoint.every_steps:
+        saver = checkpoint.Checkpointer(config, rank=ctx.rank, world_size=ctx.world_size, store=ctx.store,
+                                        attempt=attempt, model=ddp.module)
+    samples = SampleLog.open(Path(config.out_dir), ctx, start_step) if config.diagnostics.record_samples else None
+
+    def save(steps_done: int) -> None:
+        assert saver is not None
+        saver.save(checkpoint.capture(step=steps_done, model=ddp.module, optimizer=optimizer, scheduler=scheduler,
+                                      data=data, comm_state=comm_state, world_size=ctx.world_size,
+                                      in_window=steps_done % tc.accum_steps != 0))
     log.info(
         "training %s: %d params, %d train samples, %d steps, balance %s, codec %s",
         task.name, sum(p.numel() for p in ddp.parameters()), len(task.train_lengths), total_steps,
         config.balance.strategy, config.comm.codec,
     )
 
+    steps_done = start_step
+    last_saved = start_step if resumed_from else None
     with step_progress(config.diagnostics.progress and ctx.is_main, total_steps) as progress:
-        for step, batches in enumerate(data.steps()):
+        for step, batches in enumerate(data.steps(start_step), start=start_step):
             faults.check(ctx.rank, step)
             mine = batches[ctx.rank]
+            if samples is not None:
+                samples.write(step, data.schedule.epoch, mine)
             rec = train_step(
                 step=step, model=ddp, task=task, indices=mine,
                 loss_scale=loss_scale(batches, ctx.rank, task.train_targets), optimizer=optimizer,
                 scheduler=scheduler, probe=probe, comm_state=comm_state, slowdown=slowdown,
-                grad_clip_norm=tc.grad_clip_norm, device=ctx.device,
+                grad_clip_norm=tc.grad_clip_norm, device=ctx.device, accum_steps=tc.accum_steps,
+                last_micro=(step + 1) % tc.accum_steps == 0 or step + 1 == total_steps,
             )
             if not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
                 raise FloatingPointError(
@@ -158,6 +231,16 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
             progress.update(step, f"loss {rec.loss:.3f}  {rate * ctx.world_size:.0f} samples/s")
             if ctx.is_main and (step + 1) % config.diagnostics.log_every_steps == 0:
                 log.info("step %d/%d loss %.4f step %.0f ms", step + 1, total_steps, rec.loss, rec.step_s * 1e3)
+            steps_done = step + 1
+            if saver is not None and saver.due(steps_done):
+                save(steps_done)
+                last_saved = steps_done
+    if saver is not None:
+        if last_saved != steps_done:
+            save(steps_done)  # the end of the run is always saved
+        saver.wait()
+    if samples is not None:
+        samples.close()
     timeline.flush()
 
     result = evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples,
@@ -181,6 +264,10 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         "codec": config.comm.codec,
         "replans": [e.__dict__ for e in data.partitioner.history] if data.partitioner else [],
         "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed
+        "restarts": attempt,
+        "resumed_from": resumed_from,
+        "first_step": start_step,
+        "checkpoints": saver.report() if saver is not None else None,
         "config": config_mod.to_dict(config),
     }
     write_outputs(Path(config.out_dir), report, table, plot=config.diagnostics.plot)

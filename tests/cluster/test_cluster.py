@@ -151,10 +151,11 @@ def test_two_nodes_train_across_namespaces(cluster_name, tmp_path, capsys):
 @pytest.mark.timeout(150)
 def test_a_failing_node_is_named_and_its_cluster_removed(cluster_support, state_dir, tmp_path):
     proc = run_poise("train", "--cluster", "2:1", "--link", "100mbit", "--task", "digits", "--steps", "30",
-                     "--faults.crash_rank", "1", "--faults.crash_step", "2", "--out", str(tmp_path), *QUIET,
+                     "--fail-at", "1:2", "--out", str(tmp_path), *QUIET,
                      timeout_s=130)
     assert proc.returncode == 1
-    assert re.search(r"node 1 failed \(exit code 1\): rank 1 failed .*InjectedFault", proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"node 1 failed \(exit code 1\): rank 1 failed \(exit code -9\).*SIGKILL", proc.stderr), \
+        proc.stderr[-3000:]
     name = re.search(r"on cluster (job\w+)", proc.stderr).group(1)
     assert poise_namespaces(owned_prefix(name)) == [] and list(state_dir.glob("*.json")) == []
 

@@ -77,3 +77,9 @@ def test_partition_bench_compares_methods_against_brute_force(tmp_path, cache_di
     assert summary["exact"]["optimal"] == 30 and summary["exact"]["vs_optimal_worst"] == pytest.approx(1.0)
     assert all(summary[m]["vs_optimal_worst"] >= 1.0 for m in summary)
     assert "running" not in data
+
+
+def test_checkpoint_bench_rejects_unknown_runs(tmp_path):
+    proc = run_poise("bench", "checkpoint", "--runs", "b-sync-full,z", "--out", str(tmp_path), timeout_s=60)
+    assert proc.returncode == 2
+    assert "--runs: z unknown: allowed are a-none, b-sync-full" in proc.stderr

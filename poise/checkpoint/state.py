@@ -1,0 +1,191 @@
+"""What a training state is, taken from and put back into the live objects of a worker.
+
+A state has three parts, by who owns them:
+
+- ``tensors``: the model's and the optimizer's tensors (the same on every rank under DDP;
+  rank 0 writes them), keyed ``model/<name>`` and ``optim/<param index>/<key>``;
+- ``shared``: plain values every rank shares: step, scheduler, optimizer hyper-parameters,
+  the data schedule's position and plan, the re-planner's shares;
+- ``per_rank``: what differs per rank: RNG states (torch, CUDA, numpy, python), the comm
+  hook's state (error-feedback residuals, step count), the re-planner's window of this
+  rank's measurements, and, for a checkpoint inside a gradient-accumulation window, this
+  rank's gradients summed so far (not yet reduced: they differ per rank).
+
+:func:`fit_problems` compares a saved state with the run about to use it (config settings
+that shape the model, optimizer and data; parameter names and shapes) before anything is
+loaded, so a mismatch is a one-line error and never a partial load.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from poise import config as config_mod
+from poise.config import RunConfig
+from poise.runtime.data import DataPlan
+
+# Settings a checkpoint does not fix: where and how long the run goes, how it is launched,
+# measured, checkpointed and failed on purpose. Everything else must match to resume.
+_FREE = {
+    "out_dir", "dist", "diagnostics", "faults", "checkpoint", "train.steps", "train.epochs",
+    "task.eval_max_samples", "task.cache_dir", "balance.rank_speed", "balance.slowdown_method",
+}
+
+
+def fit_config(config: RunConfig) -> dict[str, Any]:
+    """The settings a checkpoint must agree with, flattened to ``section.field`` keys."""
+    flat: dict[str, Any] = {}
+    for key, value in config_mod.to_dict(config).items():
+        if key in _FREE:
+            continue
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items() if f"{key}.{k}" not in _FREE})
+        else:
+            flat[key] = value
+    return flat
+
+
+def param_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Name -> shape of every entry of the model's state dict."""
+    return {k: list(v.shape) for k, v in model.state_dict().items()}
+
+
+def config_problems(saved: dict[str, Any], config: RunConfig) -> list[str]:
+    """The settings in which a checkpoint's manifest differs from this run's config."""
+    now, then = fit_config(config), saved["config"]
+    return [f"{key} is {then.get(key)!r} in the checkpoint but {now.get(key)!r} now"
+            for key in sorted(set(now) | set(then)) if now.get(key) != then.get(key)]
+
+
+def fit_problems(saved: dict[str, Any], config: RunConfig, model: nn.Module) -> list[str]:
+    """Why a checkpoint's manifest does not fit this run (empty when it fits)."""
+    problems = config_problems(saved, config)
+    shapes = param_shapes(model)
+    missing = sorted(set(saved["params"]) - set(shapes))
+    unexpected = sorted(set(shapes) - set(saved["params"]))
+    if missing:
+        problems.append(f"parameters {missing[:3]} are in the checkpoint but not in the model")
+    if unexpected:
+        problems.append(f"parameters {unexpected[:3]} are in the model but not in the checkpoint")
+    for name in sorted(set(shapes) & set(saved["params"])):
+        if shapes[name] != saved["params"][name]:
+            then_shape = saved["params"][name]
+            problems.append(f"parameter {name} has shape {then_shape} in the checkpoint but {shapes[name]} now")
+    return problems
+
+
+@dataclass
+class TrainingState:
+    """One rank's view of the training state at a step boundary (see module doc)."""
+
+    tensors: dict[str, torch.Tensor]
+    shared: dict[str, Any]
+    per_rank: dict[str, Any]
+    # this rank's accumulated gradients inside an accumulation window (None outside one); on
+    # another number of ranks, composed from the saved ranks' so that their reduction is unchanged
+    grads: dict[str, torch.Tensor] | None = None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states, as tensors and plain values."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def capture(
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    data: DataPlan,
+    comm_state: Any,
+    world_size: int,
+    in_window: bool = False,
+) -> TrainingState:
+    """The live state, by reference (the caller copies what must not change under it).
+
+    ``in_window``: the step boundary falls inside a gradient-accumulation window, so the
+    gradients accumulated so far are part of the state.
+    """
+    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+    optim = optimizer.state_dict()
+    optim_scalars: dict[str, Any] = {}
+    for index, entries in optim["state"].items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{index}/{key}"] = value
+            else:
+                optim_scalars[f"{index}/{key}"] = value
+    data_state = data.state_dict()
+    window = None
+    if data_state["partitioner"] is not None:
+        window = data_state["partitioner"].pop("window")
+    shared = {
+        "step": step,
+        "world_size": world_size,
+        "scheduler": scheduler.state_dict(),
+        "optim_groups": optim["param_groups"],
+        "optim_scalars": optim_scalars,
+        "data": data_state,
+    }
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None} if in_window else {}
+    per_rank = {"step": step, "rng": rng_state(), "comm": comm_state.state_dict(), "window": window,
+                "grads": grads or None}
+    shared["in_window"] = bool(grads)
+    return TrainingState(tensors, shared, per_rank)
+
+
+def restore(
+    state: TrainingState,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    data: DataPlan,
+    comm_state: Any,
+) -> None:
+    """Put ``state`` into the live objects. ``state.per_rank`` is empty when the run resumes on
+    another number of ranks: then RNGs, comm state and speed windows start fresh."""
+    model_state = {k.removeprefix("model/"): v for k, v in state.tensors.items() if k.startswith("model/")}
+    model.load_state_dict(model_state, strict=True)
+    per_param: dict[int, dict[str, Any]] = {}
+    for key, value in state.tensors.items():
+        if key.startswith("optim/"):
+            _, index, name = key.split("/", 2)
+            per_param.setdefault(int(index), {})[name] = value
+    for key, value in state.shared["optim_scalars"].items():
+        index, name = key.split("/", 1)
+        per_param.setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict({"state": per_param, "param_groups": state.shared["optim_groups"]})
+    scheduler.load_state_dict(state.shared["scheduler"])
+    data.load_state_dict(state.shared["data"], state.per_rank or None)
+    if state.per_rank:
+        set_rng_state(state.per_rank["rng"])
+        comm_state.load_state_dict(state.per_rank["comm"])
+    if state.grads:
+        params = dict(model.named_parameters())
+        for name, grad in state.grads.items():
+            params[name].grad = grad.to(params[name].device).clone()

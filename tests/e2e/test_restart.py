@@ -1,0 +1,122 @@
+"""Kill-and-resume through the real launcher: a worker dies, torchrun restarts the job, and it
+ends exactly where an uninterrupted run ends (parameters, and samples trained per epoch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from poise.checkpoint import layout
+from poise.runtime.samples import read_samples
+from tests.conftest import run_poise
+
+pytestmark = pytest.mark.e2e
+
+# digits: 1437 training samples, 2 × 32 per micro-batch: 22 per epoch, 44 in 2 epochs, two per
+# optimizer step. Checkpoints every 9 micro-batches: 9, 27 fall inside an accumulation window.
+JOB = ("train", "--task", "digits", "--nproc", "2", "--epochs", "2", "--batch-size", "32",
+       "--train.accum_steps", "2", "--checkpoint-every", "9", "--diagnostics.record_samples", "true",
+       "--dist.timeout_s", "30", "--diagnostics.progress", "false", "--diagnostics.plot", "false")
+
+
+def final_model(out: Path) -> dict[str, torch.Tensor]:
+    root = out / "checkpoints"
+    _name, manifest = layout.newest_good(root)
+    assert manifest["step"] == 44
+    return layout.load_tensors(root, manifest, "model")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = run_poise(*JOB, "--out", str(out), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(uninterrupted, tmp_path):
+    proc = run_poise(*JOB, "--fail-at", "1:30", "--max-restarts", "1", "--out", str(tmp_path), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "injected fault: rank 1 kills itself before step 30" in proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["restarts"] == 1
+    assert report["resumed_from"] == "step-00000027" and report["first_step"] == 27  # mid-window
+
+    a, b = final_model(uninterrupted), final_model(tmp_path)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+
+    want, got = read_samples(uninterrupted / "samples"), read_samples(tmp_path / "samples")
+    assert sorted(want) == sorted(got) == [0, 1]
+    for epoch in want:
+        assert len(got[epoch]) == len(set(got[epoch])), f"epoch {epoch}: a sample was trained on twice"
+        assert sorted(got[epoch]) == sorted(want[epoch])
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(uninterrupted, tmp_path):
+    # a copy of the finished run's checkpoints, its newest one bit-flipped
+    root = tmp_path / "checkpoints"
+    for _, path in layout.list_checkpoints(uninterrupted / "checkpoints"):
+        (root / path.name).mkdir(parents=True)
+        for f in path.iterdir():
+            (root / path.name / f.name).write_bytes(f.read_bytes())
+    newest = layout.list_checkpoints(root)[0][1]
+    data = bytearray((newest / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x10
+    (newest / "model.pt").write_bytes(bytes(data))
+    job = [a if a != "2" or i != JOB.index("--epochs") + 1 else "3" for i, a in enumerate(JOB)]
+    proc = run_poise(*job, "--resume", "--out", str(tmp_path), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping checkpoint step-00000044: step-00000044/model.pt does not match its checksum" in proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["resumed_from"] == "step-00000036"
+    assert report["first_step"] == 36 and report["steps"] == 66 - 36
+
+
+def test_resume_with_another_model_fails_in_one_line(uninterrupted, tmp_path):
+    proc = run_poise(*JOB, "--train.lr", "0.5", "--resume", "--checkpoint-dir", str(uninterrupted / "checkpoints"),
+                     "--out", str(tmp_path), timeout_s=60)
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "does not fit this run: train.lr is" in line and "0.5 now" in line
+
+
+def test_resume_without_a_checkpoint_directory_fails_in_one_line(tmp_path):
+    proc = run_poise(*JOB, "--resume", "--out", str(tmp_path), timeout_s=60)
+    assert proc.returncode == 2
+    assert "checkpoint directory" in proc.stderr and "does not exist" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_resume_on_three_ranks_trains_the_rest_of_the_epoch_once(uninterrupted, tmp_path):
+    """A job that comes back with another world size re-plans the epoch's rest over it."""
+    first = run_poise(*JOB, "--fail-at", "1:30", "--out", str(tmp_path), timeout_s=120)
+    assert first.returncode == 1  # no restarts: the job stops; checkpoint 27 (mid-window) is on disk
+    job = [a if a != "2" or i != JOB.index("--nproc") + 1 else "3" for i, a in enumerate(JOB)]
+    proc = run_poise(*job, "--resume", "--out", str(tmp_path), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming on 3 ranks from a checkpoint of 2" in proc.stderr
+    want, got = read_samples(uninterrupted / "samples"), read_samples(tmp_path / "samples")
+    assert len(got[1]) == len(set(got[1]))
+    assert sorted(got[1]) == sorted(want[1])  # epoch 1: the interrupted plan's samples, each once
+    assert sorted(got[0]) == sorted(want[0])  # epoch 0 ran before the failure, on 2 ranks
+
+
+def test_accumulating_two_half_batches_trains_like_one_full_batch(tmp_path):
+    # static schedule: a rank's two micro-batches of 16 are exactly its batch of 32
+    quick = ("train", "--task", "digits", "--nproc", "2", "--steps", "10", "--checkpoint-every", "100",
+             "--diagnostics.progress", "false", "--diagnostics.plot", "false")
+    whole = run_poise(*quick, "--batch-size", "32", "--out", str(tmp_path / "whole"), timeout_s=120)
+    halves = run_poise(*quick, "--batch-size", "16", "--train.accum_steps", "2", "--out", str(tmp_path / "halves"),
+                       timeout_s=120)
+    assert whole.returncode == 0 and halves.returncode == 0, (whole.stderr + halves.stderr)[-3000:]
+    a_root, b_root = tmp_path / "whole" / "checkpoints", tmp_path / "halves" / "checkpoints"
+    (_, a), (_, b) = layout.newest_good(a_root), layout.newest_good(b_root)
+    assert (a["step"], b["step"]) == (10, 20)  # micro-batches
+    a_model, b_model = layout.load_tensors(a_root, a, "model"), layout.load_tensors(b_root, b, "model")
+    for key in a_model:
+        torch.testing.assert_close(b_model[key], a_model[key], rtol=1e-5, atol=1e-6, msg=key)

@@ -13,6 +13,7 @@ import torch
 
 from poise.comm import codecs
 from poise.comm.codecs import CODECS, ErrorFeedback, NonFiniteGradientError
+from poise.comm.codecs.base import Codec
 from poise.comm.codecs.lowrank import PowerSGDCodec
 from poise.comm.codecs.sign import _pack_signs_numpy, _pack_signs_torch
 from poise.comm.hooks import TORCH_HOOKS, check_backend
@@ -296,6 +297,15 @@ def test_decode_sum_is_the_sum_of_decodes(name):
     encoded = [codec.encode(_x(2001, seed=s)) for s in range(3)]
     want = sum(codec.decode(e) for e in encoded)
     torch.testing.assert_close(codec.decode_sum(encoded, out=torch.empty(2001)), want)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 33, 2001, 70_001])
+def test_sign_fused_decode_sum_equals_decoding_rank_by_rank(n):
+    codec = codecs.make("sign")
+    for ranks in (1, 2, 4):
+        encoded = [codec.encode(_x(n, seed=s), key=s) for s in range(ranks)]
+        one_by_one = Codec.decode_sum(codec, encoded, out=torch.empty(n))  # the generic loop
+        assert torch.equal(codec.decode_sum(encoded, out=torch.empty(n)), one_by_one), ranks
 
 
 # -- error feedback -------------------------------------------------------------------------

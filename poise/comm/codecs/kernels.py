@@ -229,6 +229,43 @@ def _sign_decode_tail(packed, scale, out, start):  # pragma: no cover - compiled
         out[i] = negative if (packed[i >> 3] >> (i & 7)) & 1 else scale
 
 
+def _sign_decode_sum(packed16, scales, out, g_lo, g_hi):  # pragma: no cover - compiled
+    """Groups ``[g_lo, g_hi)`` of 16 entries: ``out = sum over ranks r of ±scales[r]`` from row
+    r of ``packed16`` (ranks x groups, uint16), summed in rank order as a decode-then-add loop
+    would. Block by block (:data:`_SUB` entries): each rank's block is decoded into an L1
+    scratch with the vector store of :func:`_sign_decode`, then added, so the output travels
+    to and from memory once in all instead of once per rank."""
+    scratch = np.empty(_SUB, dtype=np.float32)
+    lo = np.uint64(g_lo)
+    end = np.uint64(g_hi)
+    step = np.uint64(_SUB // 16)
+    while lo < end:
+        hi = min(lo + step, end)
+        first = lo * np.uint64(16)
+        n = (hi - lo) * np.uint64(16)
+        for r in range(packed16.shape[0]):
+            scale = scales[r]
+            negative = -scale
+            for g in range(lo, hi):
+                _store_signed16(scratch, (g - lo) * np.uint64(16), packed16[r, g], scale, negative)
+            if r == 0:
+                for i in range(n):
+                    out[first + i] = scratch[i]
+            else:
+                for i in range(n):
+                    out[first + i] += scratch[i]
+        lo = hi
+
+
+def _sign_decode_sum_tail(packed, scales, out, start):  # pragma: no cover - compiled
+    """Entries from ``start`` (a multiple of 16) to the end; ``packed`` is ranks x bytes."""
+    for i in range(start, out.size):
+        total = np.float32(0.0)
+        for r in range(packed.shape[0]):
+            total += -scales[r] if (packed[r, i >> 3] >> (i & 7)) & 1 else scales[r]
+        out[i] = total
+
+
 def _at_least(x, threshold, index, values, lo, hi):  # pragma: no cover - compiled
     """Entries ``i`` in ``[lo, hi)`` with ``|x[i]| >= threshold``: their indices into ``index``
     and values into ``values``, in ascending order; returns how many, or -1 where they do not
@@ -259,7 +296,8 @@ def _at_least(x, threshold, index, values, lo, hi):  # pragma: no cover - compil
 # the kernels above, and the numba options of each: all compiled on first use by warm()
 _KERNELS = {
     "_int8_encode": {}, "_int8_decode": {}, "_sign_encode": {"fastmath": {"reassoc"}},
-    "_sign_encode_tail": {}, "_sign_decode": {}, "_sign_decode_tail": {}, "_at_least": {},
+    "_sign_encode_tail": {}, "_sign_decode": {}, "_sign_decode_tail": {}, "_sign_decode_sum": {},
+    "_sign_decode_sum_tail": {}, "_at_least": {},
 }
 
 
@@ -304,6 +342,9 @@ def warm() -> bool:
         out = np.empty(19, dtype=np.float32)
         _sign_decode(packed[:2].view(np.uint16), np.float32(1), out, 0, 1)
         _sign_decode_tail(packed, np.float32(1), out, 16)
+        rows = np.zeros((2, 4), dtype=np.uint8)
+        _sign_decode_sum(rows[:, :2].copy().view(np.uint16), scales, out, 0, 1)
+        _sign_decode_sum_tail(rows[:, :3].copy(), scales, out, 16)
         _at_least(x, np.float32(0.5), np.empty(19, dtype=np.int64), np.empty(19, dtype=np.float32), 0, 19)
         _warm = True
         return True
@@ -340,6 +381,17 @@ def sign_decode(packed: np.ndarray, scale: np.float32, out: np.ndarray) -> None:
     packed16 = packed[: 2 * groups].view(np.uint16)
     _over_chunks(lambda lo, hi: _sign_decode(packed16, scale, out, lo, hi), groups, 16)
     _sign_decode_tail(packed, scale, out, 16 * groups)
+
+
+def sign_decode_sum(packed: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
+    """``out[8b + j] = sum over ranks r of (-scales[r] if bit j of packed[r, b] else scales[r])``:
+    the sum of every rank's :func:`sign_decode`, in one pass. ``packed`` is C-contiguous, ranks
+    x ``ceil(len / 8)`` bytes; ``scales`` float32, one per rank."""
+    warm()
+    groups = out.size // 16
+    packed16 = packed[:, : 2 * groups].copy().view(np.uint16) if packed.shape[1] % 2 else packed.view(np.uint16)
+    _over_chunks(lambda lo, hi: _sign_decode_sum(packed16, scales, out, lo, hi), groups, 16)
+    _sign_decode_sum_tail(packed, scales, out, 16 * groups)
 
 
 def entries_at_least(x: np.ndarray, threshold: float, capacity: int) -> tuple[np.ndarray, np.ndarray] | None:

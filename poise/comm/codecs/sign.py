@@ -24,7 +24,7 @@ The payload bits are the same; the scale may differ from sasum's float32 sum in 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -105,6 +105,19 @@ class SignCodec(Codec):
         if n % 8:
             dst[full * 8:] = table[int(packed[full])][: n % 8]
         return dst.view(encoded.shape)
+
+
+    def decode_sum(self, encoded: Sequence[Encoded], *, out: torch.Tensor) -> torch.Tensor:
+        """Sum of every payload's decode. On CPU float32 with numba, one fused pass: each output
+        entry is written once (decoding rank by rank and adding reads and writes the whole
+        gradient once per rank; with 4 ranks of 77 MB that is ~10x slower)."""
+        if (not encoded or not encoded[0].numel or out.device.type != "cpu" or out.dtype != torch.float32
+                or not out.is_contiguous() or not kernels.enabled()):
+            return super().decode_sum(encoded, out=out)
+        packed = np.stack([e.tensors[1].numpy() for e in encoded])  # ranks x bytes: 1/32 of the data
+        scales = np.array([float(e.tensors[0][0]) for e in encoded], dtype=np.float32)
+        kernels.sign_decode_sum(packed, scales, out.view(-1).numpy())
+        return out.view(encoded[0].shape)
 
 
 def _pack_signs_numpy(x: np.ndarray, packed: np.ndarray) -> float:

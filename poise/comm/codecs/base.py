@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import math
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -123,7 +124,10 @@ class Codec(abc.ABC):
         if not encoded:
             return out.zero_()
         self.decode(encoded[0], out=out)
-        scratch = torch.empty_like(out)
+        # one scratch per thread (callbacks of different buckets may run at once), reused: a
+        # fresh gradient-sized tensor per call costs several times the decode (page faults)
+        scratch = self._buffers.get(("decode_sum", threading.get_ident()), "scratch", out.shape, out.dtype,
+                                    out.device)
         for enc in encoded[1:]:
             out.add_(self.decode(enc, out=scratch))
         return out

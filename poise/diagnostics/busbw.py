@@ -29,7 +29,6 @@ import math
 import os
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -363,9 +362,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # gloo's threads can abort at static destruction: leave without running it (see worker.py)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from poise.runtime import entry
+
+    entry.leave(main())

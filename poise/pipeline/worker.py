@@ -14,12 +14,9 @@ loss, so the loss equals the unpadded batch's).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -33,10 +30,10 @@ from poise.balance.metrics import balance
 from poise.balance.profile import LayerProfile, profile_layers
 from poise.config import RunConfig
 from poise.files import write_json_atomic
-from poise.log import setup_logging
 from poise.pipeline.plan import StagePlan, plan_stages
 from poise.pipeline.stage import StageRunner, TokenLoss, stage_layers
 from poise.runtime import dist as rdist
+from poise.runtime import entry
 from poise.runtime.worker import build_task_once_per_node, lr_schedule, make_optimizer, seed_everything
 from poise.tasks.base import IGNORE_INDEX, Batch, Task
 
@@ -226,29 +223,8 @@ def build_report(config: RunConfig, plan: StagePlan, profile: LayerProfile, per_
 @record
 def main(argv: list[str] | None = None) -> int:
     """Worker entry point; errors propagate so torchrun reports them with this rank's traceback."""
-    parser = argparse.ArgumentParser(prog="poise.pipeline.worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="resolved config written by 'poise pipeline'")
-    args = parser.parse_args(argv)
-    config = config_mod.load(args.config)
-    if not config.out_dir:
-        raise ValueError(f"{args.config}: out_dir is empty: the worker needs to know where to write")
-    setup_logging(int(os.environ.get("RANK", "0")))
-    ctx = rdist.init_from_env(config.dist)
-    try:
-        rdist.check_config_agreement(config, ctx)
-        train_pipeline(config, ctx)
-    except BaseException:
-        rdist.close(synchronize=False)
-        raise
-    rdist.close(synchronize=True)
-    return 0
+    return entry.run_config_job(argv, "poise.pipeline.worker", "pipeline", train_pipeline)
 
 
 if __name__ == "__main__":
-    code = main()
-    # As in poise.runtime.worker: leave without C++ static destructors, which can abort a
-    # finished gloo process.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    entry.leave(main())

@@ -9,12 +9,9 @@ the data schedule and the optimizer, runs the steps, evaluates, and rank 0 write
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,8 +30,9 @@ from poise.config import RunConfig
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.timeline import Timeline, write_chrome_trace
 from poise.files import write_json_atomic
-from poise.log import setup_logging, step_progress
+from poise.log import step_progress
 from poise.runtime import dist as rdist
+from poise.runtime import entry
 from poise.runtime.data import build_data_plan, loss_scale
 from poise.runtime.evaluate import evaluate
 from poise.runtime.faults import FaultPlan, restart_count
@@ -289,31 +287,8 @@ def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> 
 @record
 def main(argv: list[str] | None = None) -> int:
     """Worker entry point; errors propagate so torchrun reports them with this rank's traceback."""
-    parser = argparse.ArgumentParser(prog="poise.runtime.worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="resolved config written by 'poise train'")
-    args = parser.parse_args(argv)
-    config = config_mod.load(args.config)
-    if not config.out_dir:
-        raise ValueError(f"{args.config}: out_dir is empty: the worker needs to know where to write")
-    setup_logging(int(os.environ.get("RANK", "0")))
-    ctx = rdist.init_from_env(config.dist)
-    try:
-        rdist.check_config_agreement(config, ctx)
-        train(config, ctx)
-    except BaseException:
-        rdist.close(synchronize=False)
-        raise
-    rdist.close(synchronize=True)
-    return 0
+    return entry.run_config_job(argv, "poise.runtime.worker", "train", train)
 
 
 if __name__ == "__main__":
-    code = main()
-    # Everything is written (atomically, fsync'd) and the process group is gone. Leave without
-    # running C++ static destructors: with gloo, a background thread still alive at that point
-    # intermittently aborts the process ("terminate called without an active exception"),
-    # which would turn a finished job into a failed one.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    entry.leave(main())

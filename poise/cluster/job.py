@@ -149,14 +149,29 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path | None
             agents.append(_Agent(node, argv, env, logs / f"node{node}.log", echo=node == 0))
         return _wait(agents, command)
     finally:
-        for agent in agents:
-            agent.stop()
+        _stop(agents)
         leftovers = [pid for ns in namespaces for pid in net.namespace_pids(ns)]
         if leftovers:
             log.info("stopping %d process(es) the job left in cluster %s", len(leftovers), state.name)
             net.stop_processes(leftovers)
         for agent in agents:
             agent.close()
+
+
+def _stop(agents: list[_Agent]) -> None:
+    """SIGTERM every running agent at once (torch's agent then stops its workers), SIGKILL those
+    still running after a grace period shared by all: stopping a job takes one grace period,
+    not one per node."""
+    for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        running = [a for a in agents if a.proc.poll() is None]
+        for agent in running:
+            agent.signal(sig)
+        deadline = time.monotonic() + wait_s
+        for agent in running:
+            try:
+                agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _wait(agents: list[_Agent], command: str) -> int:
@@ -215,20 +230,12 @@ class _Agent:
         """The agent's own line naming the failed rank, else its last line of output."""
         return self._rank_line or self._last_line or "(no output)"
 
-    def stop(self) -> None:
-        """SIGTERM the agent (torch's agent then stops its workers), SIGKILL after a grace period."""
-        if self.proc.poll() is not None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the agent's session (the agent and the workers it started)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     def close(self) -> None:
         self.reader.join(timeout=5.0)

@@ -180,13 +180,13 @@ def _start_endless_job(state_dir: Path, out: Path) -> tuple[subprocess.Popen[str
     return job, ClusterState(**json.loads(path.read_text()))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_ctrl_c_stops_the_job_and_removes_its_cluster(cluster_support, state_dir, tmp_path):
     job, state = _start_endless_job(state_dir, tmp_path)
     pids = [p for ns in state.namespaces for p in net.namespace_pids(ns)]
     try:
         job.send_signal(signal.SIGINT)
-        assert job.wait(timeout=60) == 130
+        assert job.wait(timeout=100) == 130  # one shared grace period (15 s) plus teardown, on loaded cores
     finally:
         job.kill()
         job.wait()

@@ -43,6 +43,8 @@ RDZV_PORT = 29400
 _FAILURE_GRACE_S = 15.0
 _STOP_GRACE_S = 10.0
 _RANK_FAILED = re.compile(r"rank \d+ failed .*")
+# a rank's error that only reports that a peer went away
+_CONSEQUENCE = re.compile(r"connection (reset|closed) by peer|read error|broken pipe", re.IGNORECASE)
 
 
 def cluster_defaults(name: str) -> dict[str, Any]:
@@ -175,26 +177,31 @@ def _stop(agents: list[_Agent]) -> None:
 
 
 def _wait(agents: list[_Agent], command: str) -> int:
-    """Wait for every agent; returns 0, or 1 after naming the first that failed."""
-    first_failure: _Agent | None = None
-    failed_at = 0.0
+    """Wait for every agent; returns 0, or 1 after naming the node whose failure caused the others."""
+    failed: list[_Agent] = []  # in the order their failures were seen
+    first_failed_at = 0.0
     while True:
-        running = [a for a in agents if a.proc.poll() is None]
-        if first_failure is None:
-            first_failure = next((a for a in agents if a.proc.returncode not in (None, 0)), None)
-            failed_at = time.monotonic()
+        newly = [a for a in agents if a.proc.poll() not in (None, 0) and a not in failed]
+        if newly and not failed:
+            first_failed_at = time.monotonic()
+        failed += newly
+        running = [a for a in agents if a.proc.returncode is None]
         if not running:
             break
-        if first_failure is not None and time.monotonic() - failed_at > _FAILURE_GRACE_S:
-            log.warning("stopping node(s) %s after node %d failed", [a.node for a in running], first_failure.node)
+        if failed and time.monotonic() - first_failed_at > _FAILURE_GRACE_S:
+            log.warning("stopping node(s) %s after node %d failed", [a.node for a in running], failed[0].node)
             break
         time.sleep(0.2)
-    if first_failure is None:
+    if not failed:
         return 0
-    first_failure.reader.join(timeout=5.0)
+    for agent in failed:
+        agent.reader.join(timeout=5.0)
+    # A killed worker is reported late (its agent notices it at the next monitor tick), while its
+    # peers fail at once with "connection reset/closed by peer": those are consequences.
+    cause = next((a for a in failed if not _CONSEQUENCE.search(a.failure_line())), failed[0])
     sys.stderr.write(
-        f"poise {command}: node {first_failure.node} failed (exit code {first_failure.proc.returncode}): "
-        f"{first_failure.failure_line()} (log: {first_failure.log_path})\n"
+        f"poise {command}: node {cause.node} failed (exit code {cause.proc.returncode}): "
+        f"{cause.failure_line()} (log: {cause.log_path})\n"
     )
     return 1
 

@@ -53,9 +53,15 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     return code, out, err
 
 
+def _default_sigint() -> None:
+    # A suite started in the background (``cmd &``) inherits SIGINT ignored, and Python then
+    # never raises KeyboardInterrupt: give the job the handler a terminal user's would have.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _popen_poise(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "poise", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_default_sigint)
 
 
 @pytest.mark.timeout(90)

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -95,19 +96,25 @@ def launch(dist: cfg.DistConfig, config_path: Path | None, *, module: str = WORK
     return 0
 
 
+# a rank's error that only reports that a peer went away: a consequence, not a cause
+PEER_LOST = re.compile(r"connection (reset|closed) by peer|read error|broken pipe", re.IGNORECASE)
+
+
 def root_failure(exc: Any) -> tuple[int, Any]:
-    """The failure that caused the others: a rank killed by a signal other than the launcher's
-    own SIGTERM, if any, else the first to fail.
+    """The failure that caused the others: a rank killed by SIGKILL first, then by another signal
+    than the launcher's own SIGTERM, then one whose error is not a peer's loss, then the first.
 
     A worker that is killed writes no error record, so torchelastic stamps its failure only
-    when it notices it; by then a peer may have raised "connection closed by peer" and
-    stamped an earlier error that is a consequence, not the cause.
+    when it notices it; by then a peer may have failed with "connection closed by peer" (as
+    an exception, or aborting inside gloo) and been stamped earlier: a consequence, not the cause.
     """
-    killed = {r: f for r, f in exc.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
-    if killed:
-        rank = min(killed, key=lambda r: killed[r].timestamp)
-        return rank, killed[rank]
-    return exc.get_first_failure()
+    def order(item: tuple[int, Any]) -> tuple[bool, bool, bool, float]:
+        failure = item[1]
+        signalled = failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
+        return (failure.exitcode != -signal.SIGKILL, not signalled, bool(PEER_LOST.search(str(failure.message))),
+                failure.timestamp)
+
+    return min(exc.failures.items(), key=order)
 
 
 def _error_line(message: object) -> str:

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from poise.cli.train import PEER_LOST
 from poise.cluster import net, topology
 from poise.cluster.state import NODE_IFNAME, ClusterState, node_namespace
 from poise.config import DistConfig, RunConfig
@@ -43,8 +44,6 @@ RDZV_PORT = 29400
 _FAILURE_GRACE_S = 15.0
 _STOP_GRACE_S = 10.0
 _RANK_FAILED = re.compile(r"rank \d+ failed .*")
-# a rank's error that only reports that a peer went away
-_CONSEQUENCE = re.compile(r"connection (reset|closed) by peer|read error|broken pipe", re.IGNORECASE)
 
 
 def cluster_defaults(name: str) -> dict[str, Any]:
@@ -198,7 +197,7 @@ def _wait(agents: list[_Agent], command: str) -> int:
         agent.reader.join(timeout=5.0)
     # A killed worker is reported late (its agent notices it at the next monitor tick), while its
     # peers fail at once with "connection reset/closed by peer": those are consequences.
-    cause = next((a for a in failed if not _CONSEQUENCE.search(a.failure_line())), failed[0])
+    cause = next((a for a in failed if not PEER_LOST.search(a.failure_line())), failed[0])
     sys.stderr.write(
         f"poise {command}: node {cause.node} failed (exit code {cause.proc.returncode}): "
         f"{cause.failure_line()} (log: {cause.log_path})\n"

@@ -303,20 +303,22 @@ def _powersgd_wire_bytes(ps: powerSGD_hook.PowerSGDState, bucket: dist.GradBucke
     return total
 
 
-def _torch_fp16(config: CommConfig, group: dist.ProcessGroup | None) -> tuple[CommHook, TorchHookState]:
+def _torch_fp16(config: CommConfig, group: dist.ProcessGroup | None,
+                start_step: int) -> tuple[CommHook, TorchHookState]:
     return torch_hook_adapter, TorchHookState(default_hooks.fp16_compress_hook, group, _fp16_wire_bytes)
 
 
-def _torch_powersgd(config: CommConfig, group: dist.ProcessGroup | None) -> tuple[CommHook, TorchHookState]:
+def _torch_powersgd(config: CommConfig, group: dist.ProcessGroup | None,
+                    start_step: int) -> tuple[CommHook, TorchHookState]:
     # torch requires start_powerSGD_iter > 1 with error feedback or warm start (bucket rebuild)
-    start = max(2, config.start_step)
+    start = max(2, start_step)
     ps = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=config.powersgd_rank,
                                      start_powerSGD_iter=start, use_error_feedback=config.error_feedback,
                                      warm_start=True, random_seed=0)
     return torch_hook_adapter, TorchHookState(powerSGD_hook.powerSGD_hook, ps, _powersgd_wire_bytes)
 
 
-TORCH_HOOKS: dict[str, Callable[[CommConfig, dist.ProcessGroup | None], tuple[CommHook, TorchHookState]]] = {
+TORCH_HOOKS: dict[str, Callable[[CommConfig, dist.ProcessGroup | None, int], tuple[CommHook, TorchHookState]]] = {
     "torch-fp16": _torch_fp16,
     "torch-powersgd": _torch_powersgd,
 }
@@ -332,8 +334,11 @@ _BACKENDS = ("gloo", "nccl")
 
 
 def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
-          topology: Topology | None = None) -> tuple[CommHook, Any]:
+          topology: Topology | None = None, *, start_step: int | None = None) -> tuple[CommHook, Any]:
     """``(hook, state)`` for ``ddp.register_comm_hook(state, hook)``, from ``config``.
+
+    ``start_step``: steps sent uncompressed; None takes ``config.compression_start`` without
+    a run length (callers that know it, like the training worker, pass the resolved value).
 
     ``config.collective`` picks the algorithm (``poise.comm.collectives``); every value but
     ``flat`` discovers the node layout and creates process groups (a collective call: every
@@ -351,14 +356,16 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
 
     The state has ``step_stats()`` and ``reset_step()`` in every case.
     """
+    if start_step is None:
+        start_step = config.compression_start(0, 0)
     if config.codec in TORCH_HOOKS:
-        return TORCH_HOOKS[config.codec](config, process_group)
+        return TORCH_HOOKS[config.codec](config, process_group, start_step)
     options = _CODEC_OPTIONS.get(config.codec, lambda _: {})(config)
     collective = None
     if config.collective != "flat":
         collective = collectives.make(config.collective, process_group, topology=topology,
                                       segment_bytes=config.segment_bytes, small_bytes=config.tree_max_bytes)
-    state = make_state(config.codec, error_feedback=config.error_feedback, start_step=config.start_step,
+    state = make_state(config.codec, error_feedback=config.error_feedback, start_step=start_step,
                        on_nonfinite=config.on_nonfinite, process_group=process_group, collective=collective,
                        **options)
     log.info("comm hook: %r over %r, uncompressed for the first %d steps", state.codec,

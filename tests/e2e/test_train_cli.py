@@ -151,6 +151,9 @@ def test_train_with_a_gradient_codec(tmp_path, codec, min_ratio):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _report(tmp_path)
     assert report["codec"] == codec
+    # 12 steps, warm-up 1: sign starts compressing (and freezes Adam's variance) after 2 steps
+    assert report["compression_start_step"] == 2
+    assert report["variance_frozen_after"] == (2 if codec == "sign" else None)
     assert report["compression_ratio"] >= min_ratio
     assert report["comm_wire_bytes_per_step"] < report["comm_raw_bytes_per_step"]
     assert report["train_loss_last"] < report["train_loss_first"]

@@ -152,6 +152,7 @@ class HookState:
         self.start_step = start_step
         self.step = 0
         self.weight: float | None = None
+        self.bypass = False  # see settle_buckets
         self.counters = Counters()
         self.inter_node_counters = Counters()
         self.reducer = self._reducer(codec, process_group, collective)
@@ -193,6 +194,8 @@ class HookState:
 
 def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: reduce ``bucket`` through ``state``'s reducer (uncompressed while warming up)."""
+    if state.bypass:
+        return state.uncompressed.reduce(bucket.buffer(), key=bucket.index())
     reducer = state.reducer if state.step >= state.start_step else state.uncompressed
     # the parameters' shapes: low rank compresses each weight matrix of the bucket on its own
     shapes = [p.shape for p in bucket.parameters()]
@@ -256,6 +259,7 @@ class TorchHookState:
         self.torch_state = torch_state
         self.wire_bytes = wire_bytes
         self.weight: float | None = None
+        self.bypass = False  # see settle_buckets
         self.counters = Counters()
 
     def step_stats(self) -> StepStats:
@@ -275,6 +279,9 @@ def torch_hook_adapter(state: TorchHookState, bucket: dist.GradBucket) -> torch.
     """DDP comm hook: count the bucket, then run torch's hook on it."""
     if state.weight is not None:
         raise ValueError("torch's comm hooks only average: weighted reduction needs a poise codec")
+    if state.bypass:
+        # torch-fp16's state is the process group (None: the default one), PowerSGD's holds it
+        return default_hooks.allreduce_hook(getattr(state.torch_state, "process_group", state.torch_state), bucket)
     buffer = bucket.buffer()
     state.counters.add(raw_bytes=buffer.numel() * buffer.element_size(),
                        wire_bytes=state.wire_bytes(state.torch_state, bucket), buckets=1)
@@ -371,6 +378,29 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
     log.info("comm hook: %r over %r, uncompressed for the first %d steps", state.codec,
              collective or "flat", state.start_step)
     return compressed_hook, state
+
+
+def settle_buckets(ddp: torch.nn.parallel.DistributedDataParallel, state: Any,
+                   forward_backward: Callable[[], None]) -> None:
+    """Make DDP settle its bucket layout now, without changing any state; call on every rank.
+
+    Why: DDP starts with buckets in reverse parameter order and, at the first forward after a
+    synchronised backward, rebuilds them in the order gradients became ready. Per-bucket
+    state (error-feedback residuals, PowerSGD's warm starts, random-k's counters) is keyed by
+    bucket index, and a checkpoint holds it in the rebuilt layout. A resumed job starts with
+    the initial layout again, so its first compressed step would apply every residual to the
+    wrong entries. One throw-away ``forward_backward`` with the hook bypassed (plain
+    all-reduce, no step counted, no residual touched) lets DDP record the order; the first
+    real step then runs on the layout the checkpoint was written with. Gradients are cleared
+    afterwards, so call it before restoring any.
+    """
+    state.bypass = True
+    try:
+        forward_backward()
+    finally:
+        state.bypass = False
+    ddp.zero_grad(set_to_none=True)
+    state.reset_step()
 
 
 def requires_single_bucket(config: CommConfig) -> bool:

@@ -189,6 +189,12 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     found = resume_point(config, ctx, attempt)
     if found is not None:
         resumed_from, manifest = found
+
+        def throwaway_step() -> None:
+            with torch.random.fork_rng(devices=[]):  # leave every RNG as the checkpoint will set it
+                task.train_loss(ddp, task.collate([task.train_set[0]]).to(ctx.device)).backward()
+
+        comm_hooks.settle_buckets(ddp, comm_state, throwaway_step)
         state = checkpoint.load(config, resumed_from, manifest, rank=ctx.rank, world_size=ctx.world_size,
                                 model=ddp.module)
         checkpoint.restore(state, model=ddp.module, optimizer=optimizer, scheduler=scheduler, data=data,

@@ -49,14 +49,28 @@ def test_balance_bench_runs_four_jobs_and_writes_json(tmp_path, cache_dir):
 
 def test_codecs_bench_kernel_and_training_tables(tmp_path):
     proc = run_poise("bench", "codecs", "--mbytes", "2", "--repeats", "1", "--warmup", "0", "--kernels", "fp16,sign",
-                     "--codecs", "none,sign", "--steps", "6", "--out", str(tmp_path), timeout_s=300)
+                     "--codecs", "none,topk:ratio=0.25", "--seeds", "2", "--steps", "6", "--out", str(tmp_path),
+                     timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vs memcpy" in proc.stdout and "eval acc" in proc.stdout
     data = json.loads((tmp_path / "codecs.json").read_text())
     assert [k["codec"] for k in data["kernels"]] == ["fp16", "sign"]
+    assert data["target"] == ["accuracy_delta", -0.003]  # digits: within 0.3 pt
     runs = {r["codec"]: r for r in data["runs"]}
-    assert runs["none"]["accuracy_delta"] == 0.0
-    assert runs["sign"]["compression_ratio"] > 20
+    assert runs["none"]["accuracy_delta"] == 0.0 and runs["none"]["meets_target"]
+    topk = runs["topk:ratio=0.25"]
+    assert len(topk["seed_accuracy"]) == 2 and topk["accuracy_delta_se"] is not None
+    assert 1.5 < topk["compression_ratio"] < 2.5  # values + indices of a quarter of the entries
+    # the two seeds are different runs (initial weights, data order)
+    assert runs["none"]["seed_loss"][0] != runs["none"]["seed_loss"][1]
+
+
+def test_codecs_bench_refuses_a_bad_codec_spec_before_running(tmp_path):
+    proc = run_poise("bench", "codecs", "--kernels", "", "--codecs", "none,topk:ratio", "--out", str(tmp_path),
+                     timeout_s=60)
+    assert proc.returncode != 0
+    assert "option 'ratio' of 'topk:ratio' is not KEY=VALUE" in proc.stderr
+    assert not (tmp_path / "none").exists()
 
 
 def test_partition_bench_compares_methods_against_brute_force(tmp_path, cache_dir):

@@ -46,10 +46,10 @@ class StepProgress:
 
 
 def make_console(stderr: bool = False) -> Console:
-    """A rich console; when output is not a terminal (a file, CI), tables get 140 columns
+    """A rich console; when output is not a terminal (a file, CI), tables get 200 columns
     instead of rich's default 80, so they are not cut."""
     console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=140)
+    return console if console.is_terminal else Console(stderr=stderr, width=200)
 
 
 @contextmanager

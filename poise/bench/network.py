@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         ("vs_ddp", "vs DDP", lambda v: f"{v:.2f}x"),
         ("vs_torch_powersgd", "vs torch PowerSGD", lambda v: f"{v:.2f}x"),
         ("wire_mb_per_step", "MB sent/step", lambda v: f"{v:.2f}"),
+        ("inter_node_mb_per_step", "MB between nodes", lambda v: f"{v:.2f}" if v else "-"),
         ("comm_exposed_s", "comm exposed", lambda v: f"{v * 1e3:.0f} ms"),
         ("eval_loss", "eval loss", lambda v: f"{v:.4f}"),
         ("loss_vs_ddp_pct", "vs DDP", lambda v: f"{v:+.2f}%"),
@@ -140,6 +141,8 @@ def training(out: Path, cluster: str, link: str, labels: list[str], model: list[
             # real tokens per step over the median step: the steady rate, past the warm-up steps
             "tokens_per_s": report["loss_curve"][-1][0] / report["steps"] / report["median_step_s"],
             "wire_mb_per_step": report["comm_wire_bytes_per_step"] / 1e6,
+            # all node leaders together, between nodes (hierarchical runs with a codec; else 0)
+            "inter_node_mb_per_step": report["comm_inter_node_wire_bytes_per_step"] / 1e6,
             "comm_exposed_s": report["comm_exposed_s_per_step"], "comm_overlap": report["comm_overlap"],
             "eval_loss": report["eval_loss"], "eval_accuracy": report["eval_accuracy"],
         })

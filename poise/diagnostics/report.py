@@ -82,6 +82,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         per_rank.append(entry)
     ideal = sum(r["tokens_per_compute_s"] for r in per_rank)
     raw, wire = column(steady, "raw_bytes"), column(steady, "wire_bytes")
+    inter_raw, inter_wire = column(steady, "inter_node_raw_bytes"), column(steady, "inter_node_wire_bytes")
     busy, hidden = column(steady, "comm_busy_s"), column(steady, "comm_hidden_s")
     steady_tput = float(column(steady, "tokens").sum() / step_s.max(axis=1).sum())
     step_balance = [balance(row) for row in compute]
@@ -102,6 +103,10 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         # median over steps, so the uncompressed warm-up steps do not dilute it
         "compression_ratio": float(np.median(raw / np.maximum(wire, 1))),
         "codec_s_per_step": float(np.median(column(steady, "codec_s"))),
+        # hierarchical with a codec: what all node leaders together sent between nodes per
+        # step (compressed), and the compression of those node sums (0 and 1 without one)
+        "comm_inter_node_wire_bytes_per_step": float(np.median(inter_wire.sum(axis=0))),
+        "inter_node_compression_ratio": float(inter_raw.sum() / inter_wire.sum()) if inter_wire.sum() else 1.0,
         "comm_overlap": float(hidden.sum() / busy.sum()) if busy.sum() > 0 else 0.0,
         "comm_busy_s_per_step": float(np.median(busy)),
         "comm_exposed_s_per_step": float(np.median(busy - hidden)),

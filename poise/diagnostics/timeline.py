@@ -52,6 +52,8 @@ class StepRecord:
     loss: float
     raw_bytes: int  # gradient bytes handed to communication
     wire_bytes: int  # bytes this rank put into collectives after compression
+    inter_node_raw_bytes: int  # hierarchical with a codec: node-sum bytes this leader encoded (0 elsewhere)
+    inter_node_wire_bytes: int  # ... and the compressed bytes it sent to the other nodes' leaders
     codec_s: float  # encode + decode seconds (encode overlaps backward, decode the wait)
     comm_busy_s: float  # seconds at least one gradient bucket was being reduced
     comm_hidden_s: float  # the part of comm_busy_s that overlapped this rank's backward compute

@@ -102,6 +102,7 @@ def train_step(
     loss_value = float(loss.detach())  # synchronises on CUDA; the step is over anyway
     t4 = time.perf_counter()
     stats = comm_state.step_stats()
+    inter_node = comm_state.inter_node_stats() if hasattr(comm_state, "inter_node_stats") else None
 
     return StepRecord(
         step=step,
@@ -118,6 +119,8 @@ def train_step(
         loss=loss_value,
         raw_bytes=stats.raw_bytes,
         wire_bytes=stats.wire_bytes,
+        inter_node_raw_bytes=inter_node.raw_bytes if inter_node else 0,
+        inter_node_wire_bytes=inter_node.wire_bytes if inter_node else 0,
         codec_s=stats.encode_s + stats.decode_s,
         comm_busy_s=comm_busy_s,
         comm_hidden_s=comm_hidden_s,

@@ -24,6 +24,9 @@ def test_network_bench_runs_busbw_and_training_on_a_shaped_cluster(cluster_suppo
     assert set(runs) == {"ddp", "sign+hierarchical"}
     assert runs["ddp"]["vs_ddp"] == pytest.approx(1.0)
     assert all(r["median_step_s"] > 0 and r["tokens_per_s"] > 0 for r in runs.values())
+    # the leaders' compressed node sums are counted: 2 nodes, 1-bit payloads of the whole model
+    assert runs["ddp"]["inter_node_mb_per_step"] == 0
+    assert 0 < runs["sign+hierarchical"]["inter_node_mb_per_step"] < runs["ddp"]["wire_mb_per_step"] / 10
 
 
 def test_network_bench_rejects_a_bad_rate_before_starting(tmp_path):

@@ -76,8 +76,9 @@ def _gather_timeline(rank: int, world_size: int, steps: int, every: int):
     for step in range(steps):
         tl.record(StepRecord(step=step, start_time_s=1000.0 + step, data_s=0.1, forward_s=rank + 1.0,
                              backward_s=0.5, comm_wait_s=0.0, optim_s=0.01, step_s=2.0, samples=4 + rank,
-                             tokens=100 * (rank + 1), padded_tokens=150, loss=3.0, raw_bytes=1234, wire_bytes=617, codec_s=0.0,
-                             comm_busy_s=0.2, comm_hidden_s=0.1, skipped=0))
+                             tokens=100 * (rank + 1), padded_tokens=150, loss=3.0, raw_bytes=1234, wire_bytes=617,
+                             inter_node_raw_bytes=0, inter_node_wire_bytes=0, codec_s=0.0, comm_busy_s=0.2,
+                             comm_hidden_s=0.1, skipped=0))
     tl.flush()
     return tl.table() if rank == 0 else None
 

@@ -266,7 +266,7 @@ class CommConfig:
     )
     on_nonfinite: str = _field("error", "NaN/Inf in a gradient: 'error' stops, 'skip' skips the step and logs")
     freeze_variance: str = _field(
-        "auto", "freeze AdamW's second moment once compression starts (1-bit Adam; see poise/runtime/optim.py): "
+        "auto", "freeze AdamW's second moment once compression starts (1-bit Adam; see poise/optim.py): "
         f"on, off, or auto (on for {', '.join(VARIANCE_FREEZING_CODECS)})"
     )
     collective: str = _field(

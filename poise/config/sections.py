@@ -1,33 +1,18 @@
-"""Every run setting, in one typed, validated, recorded place.
-
-A run is described by a frozen :class:`RunConfig` made of small sections. Values come from
-defaults < a TOML file < command-line flags, are validated once here (one-line
-``ValueError`` naming the bad value and what is allowed), and the resolved result is written
-next to the outputs as ``config.toml``. Workers load that file, so what ran is exactly what
-was recorded, and its hash is compared across ranks at start-up.
-
-Units are part of field names (``_s`` seconds, ``_bytes`` bytes, ``_steps`` steps). Each
-field's help text lives in its metadata and is reused for ``--help``.
-"""
+"""The settings: one frozen dataclass per section of :class:`RunConfig`, each validated in
+``__post_init__`` (a one-line ``ValueError`` naming the bad value and what is allowed), and the
+names that sections accept (codecs, collectives, tasks...)."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import re
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from poise.cluster.links import format_rate, parse_delay, parse_rate
 from poise.cluster.state import MAX_NODES, validate_name
-from poise.files import write_text_atomic
 
 TASK_NAMES = ("code-lm", "digits")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -319,12 +304,9 @@ class CommConfig:
 
         Why a longer warm-up for lossy codecs: their error-feedback residuals are as large as
         the gradients, and early training, while the learning rate ramps up, is where
-        gradients change fastest (torch's PowerSGD and DGC advise warm-ups too). A frozen
-        second moment is also an average of the squared gradients seen by then. Measured on
-        code-lm, 300 steps, learning-rate warm-up 10 (bits per byte against uncompressed):
-        top-k 1 % +8.9 % after 2 steps, +6.4 % after 20; random-k +48 % and +26 %; PowerSGD
-        +3.3 % and +2.9 %; sign with the frozen variance +31 % after 2 steps, +15 % after 10,
-        +1.0 % after 20.
+        gradients change fastest (torch's PowerSGD and DGC advise warm-ups too); a frozen
+        second moment is also an average of the squared gradients seen by then. The
+        measurements behind the rule are in ``poise/optim.py``.
         """
         if self.start_step is not None:
             return self.start_step
@@ -530,144 +512,3 @@ SECTIONS: dict[str, type] = {
     for f in dataclasses.fields(RunConfig)
     if f.default_factory is not dataclasses.MISSING
 }
-
-
-# ----------------------------------------------------------------------------- conversion
-
-
-def field_types(cls: type) -> dict[str, Any]:
-    """Resolved type of each field of a config dataclass (strings resolved to types)."""
-    return typing.get_type_hints(cls)
-
-
-def _scalar_type(tp: Any) -> type:
-    """``int | None`` -> int; plain types unchanged."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return inner
-    return tp
-
-
-def coerce(key: str, tp: Any, value: Any) -> Any:
-    """Convert a TOML or command-line value to a field's type, or raise a one-line error.
-
-    Strings (from the command line) are parsed; TOML values are checked. ``key`` is the
-    dotted name used in messages.
-    """
-    target = _scalar_type(tp)
-    if isinstance(value, str) and target is not str:
-        text = value.strip().lower()
-        try:
-            if target is bool:
-                if text not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return text in ("true", "1", "yes")
-            return target(value)
-        except ValueError:
-            raise ValueError(f"{key}={value!r} is not a valid {target.__name__}") from None
-    if target is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if (target is int and isinstance(value, bool)) or not isinstance(value, target):
-        raise ValueError(f"{key}={value!r} has the wrong type: expected {target.__name__}")
-    return value
-
-
-def from_dict(data: dict[str, Any]) -> RunConfig:
-    """Build a validated RunConfig from a nested dict (TOML layout); unknown keys are errors."""
-    top_types = field_types(RunConfig)
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key in SECTIONS:
-            if not isinstance(value, dict):
-                raise ValueError(f"[{key}] must be a table of settings, not {value!r}")
-            cls = SECTIONS[key]
-            types_ = field_types(cls)
-            for sub in value:
-                if sub not in types_:
-                    raise ValueError(
-                        f"unknown setting {key}.{sub}: allowed in [{key}] are {', '.join(types_)}"
-                    )
-            kwargs[key] = cls(**{k: coerce(f"{key}.{k}", types_[k], v) for k, v in value.items()})
-        elif key in top_types:
-            kwargs[key] = coerce(key, top_types[key], value)
-        else:
-            allowed = ", ".join([k for k in top_types if k not in SECTIONS] + [f"[{s}]" for s in SECTIONS])
-            raise ValueError(f"unknown setting {key!r}: allowed at the top level are {allowed}")
-    return RunConfig(**kwargs)
-
-
-def to_dict(config: RunConfig) -> dict[str, Any]:
-    """Nested plain dict of every setting; ``None`` (= 'use the default') is left out."""
-
-    def clean(obj: Any) -> Any:
-        if dataclasses.is_dataclass(obj):
-            return {
-                f.name: clean(getattr(obj, f.name))
-                for f in dataclasses.fields(obj)
-                if getattr(obj, f.name) is not None
-            }
-        return obj
-
-    return clean(config)
-
-
-def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Overlay ``overrides`` (nested) on ``base`` (nested), returning a new dict."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = {**out[key], **value}
-        else:
-            out[key] = value
-    return out
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config file; a missing or malformed file is a one-line ValueError."""
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
-
-
-def load(path: str | Path) -> RunConfig:
-    """Load a resolved config file (as written by :func:`save`)."""
-    return from_dict(load_toml(path))
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    raise TypeError(f"cannot write {value!r} to TOML")
-
-
-def dumps(config: RunConfig) -> str:
-    """The config as TOML text (top-level keys first, then one table per section)."""
-    data = to_dict(config)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for section, values in data.items():
-        if isinstance(values, dict):
-            lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-    return "\n".join(lines) + "\n"
-
-
-def save(config: RunConfig, path: str | Path) -> Path:
-    """Write the resolved config atomically and return its path."""
-    return write_text_atomic(path, dumps(config))
-
-
-def config_hash(config: RunConfig) -> str:
-    """sha256 of the canonical JSON of every setting but the node-local ones; equal on ranks that agree."""
-    data = to_dict(config)
-    for section, names in NODE_LOCAL_SETTINGS.items():
-        for name in names:
-            data[section].pop(name, None)
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -154,7 +154,7 @@ def _expected(name: str, n: int) -> torch.Tensor:
 
 def test_each_reducer_path_returns_the_weighted_sum():
     results = run_ranks(_weighted, world_size=3, timeout_s=90)
-    tolerance = {"fp16": 2e-3, "bf16": 2e-2, "int8": 2e-2, "powersgd": 1e-4}
+    tolerance = {"fp16": 2e-3, "bf16": 2e-2, "int8": 2e-2, "topk": 2e-3, "powersgd": 1e-4}
     for name, (_, n) in WEIGHTED_CASES.items():
         want = _expected(name, n)
         for r in results:

@@ -60,7 +60,7 @@ def test_codecs_bench_kernel_and_training_tables(tmp_path):
     assert runs["none"]["accuracy_delta"] == 0.0 and runs["none"]["meets_target"]
     topk = runs["topk:ratio=0.25"]
     assert len(topk["seed_accuracy"]) == 2 and topk["accuracy_delta_se"] is not None
-    assert 1.5 < topk["compression_ratio"] < 2.5  # values + indices of a quarter of the entries
+    assert 3.5 < topk["compression_ratio"] < 4.1  # fp16 value + 16-bit offset for a quarter of the entries
     # the two seeds are different runs (initial weights, data order)
     assert runs["none"]["seed_loss"][0] != runs["none"]["seed_loss"][1]
 

@@ -106,7 +106,7 @@ def test_wire_sizes_follow_each_codecs_formula(n):
         "bf16": 2 * n,
         "int8": n + 4 * math.ceil(n / 1024),
         "sign": math.ceil(n / 8) + 4,
-        "topk": 8 * k,
+        "topk": 4 + 4 * math.ceil(n / 65536) + 4 * k,  # scale, block counts, fp16 value + int16 offset
         "randomk": 4 * k,
     }
     for name, nbytes in expected.items():
@@ -183,7 +183,7 @@ def test_topk_keeps_exactly_the_largest_magnitudes(n, exact):
     k = 0 if n == 0 else max(1, math.ceil(0.01 * n))
     kept = decoded != 0
     assert int(kept.sum()) == k
-    assert torch.equal(decoded[kept], x[kept])
+    torch.testing.assert_close(decoded[kept], x[kept], rtol=2**-11, atol=0)  # fp16 values, scaled
     if k:
         assert set(kept.nonzero().view(-1).tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
 
@@ -204,14 +204,28 @@ def test_topk_fast_path_keeps_every_entry_larger_than_a_tie_at_the_kth_value():
     x[:50_000:10] = 1.0  # 5,000 ties at the k-th value (k = 1,000), ahead of the larger entries
     x[60_000:60_600] = -torch.linspace(2.0, 3.0, 600)
     codec = codecs.make("topk", ratio=0.01)
-    encoded = codec.encode(x, key=0)
-    values, indices = sorted(encoded.tensors, key=lambda t: not t.is_floating_point())
-    indices = indices.long()
-    assert indices.numel() == 1000 and torch.equal(indices, indices.sort().values)
+    decoded = codec.decode(codec.encode(x, key=0))
+    indices = decoded.nonzero().view(-1)
+    assert indices.numel() == 1000
     assert set(range(60_000, 60_600)) <= set(indices.tolist())  # all 600 larger entries
-    assert torch.equal(values, x[indices]) and int((values == 1.0).sum()) == 400
-    decoded = codec.decode(encoded)
-    assert torch.equal(decoded[indices], values) and int((decoded != 0).sum()) == 1000
+    torch.testing.assert_close(decoded[indices], x[indices], rtol=2**-11, atol=0)
+    assert indices[indices < 50_000].tolist() == list(range(0, 4000, 10))  # 400 ties, in index order
+
+
+def test_topk_wire_format_is_scale_block_counts_fp16_values_and_int16_offsets():
+    n = 3 * 65536 + 7  # a partial last block
+    x = torch.zeros(n)
+    spots = torch.tensor([0, 5, 65535, 65536, 2 * 65536 + 40000, n - 1])
+    x[spots] = torch.tensor([20.0, -8.0, 7e4, 9.0, -1e5, 30.0])  # past fp16's range before scaling
+    codec = codecs.make("topk", ratio=6 / n)
+    scale, counts, values, offsets = codec.encode(x).tensors
+    assert (scale.dtype, counts.dtype, values.dtype, offsets.dtype) == (
+        torch.float32, torch.int32, torch.float16, torch.int16)
+    assert scale.item() == 1e5 and counts.tolist() == [3, 1, 1, 1]
+    assert (offsets.long() & 0xFFFF).tolist() == [0, 5, 65535, 0, 40000, 6]
+    decoded = codec.decode(codec.encode(x))
+    assert decoded.nonzero().view(-1).tolist() == spots.tolist()
+    torch.testing.assert_close(decoded[spots], x[spots], rtol=2**-11, atol=0)
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -11,7 +11,9 @@
    target is met (digits: within 0.3 pt accuracy; code-lm: within 2 % bits per byte),
    communication share of the step, median step, and the compression ratio from the hook's
    byte counters. A codec spec may set the codec's option: ``topk:ratio=0.1``,
-   ``powersgd:rank=8``, so the table can show where a codec meets its target.
+   ``powersgd:rank=8``, so the table can show where a codec meets its target. The row
+   ``alone`` is one worker on its own (same per-rank batch and steps, nothing sent): a codec
+   below it loses more by compressing than data parallelism gains.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ KERNEL_CASES = (
 # codecs compared in training runs (table 2): the config names, "none" first as the reference
 ACCURACY_CODECS = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16",
                    "torch-powersgd")
+# a second reference: one worker with the same per-rank batch and steps, no communication at all.
+# A codec that trains worse than this sends gradients that are worth less than not sending any.
+ALONE = "alone"
 
 
 def _seconds(fn: Callable[[], Any]) -> float:
@@ -118,8 +123,10 @@ def parse_spec(spec: str) -> tuple[str, list[str]]:
     """``"topk:ratio=0.1"`` -> ``("topk", ["--comm.topk_ratio", "0.1"])`` (options separated
     by ``:``); a one-line ValueError for an unknown codec or option."""
     name, *options = spec.split(":")
+    if name == ALONE and not options:
+        return "none", ["--nproc", "1"]  # the last --nproc wins
     if name not in ACCURACY_CODECS:
-        raise ValueError(f"--codecs: {name!r} is unknown; allowed are {', '.join(ACCURACY_CODECS)}")
+        raise ValueError(f"--codecs: {name!r} is unknown; allowed are {', '.join((*ACCURACY_CODECS, ALONE))}")
     flags: list[str] = []
     for item in options:
         key, _, value = item.partition("=")
@@ -169,7 +176,7 @@ def accuracy_table(out_dir: Any, specs: list[str], train_args: list[str], timeou
         row["accuracy_delta"], row["accuracy_delta_se"] = _mean_se(acc)
         row["loss_delta_pct"], row["loss_delta_pct_se"] = _mean_se(loss)
         row["comm_wait_vs_none"] = row["comm_wait_s"] / base["comm_wait_s"] if base["comm_wait_s"] else None
-        if target is not None:
+        if target is not None and row["codec"] != ALONE:
             figure, bound = target
             row["target"] = f"{figure} {'>=' if bound < 0 else '<='} {bound:g}"
             row["meets_target"] = row[figure] >= bound if bound < 0 else row[figure] <= bound
@@ -215,9 +222,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"kernel rows: {', '.join(labels)} ('' skips the kernel table)")
     parser.add_argument("--accuracy", action=argparse.BooleanOptionalAction, default=True,
                         help="also train once per codec (table 2)")
-    parser.add_argument("--codecs", default=",".join(ACCURACY_CODECS),
+    parser.add_argument("--codecs", default=",".join((*ACCURACY_CODECS, ALONE)),
                         help="codecs for the training runs, each NAME or NAME:KEY=VALUE with KEY one of "
-                             f"{', '.join(SPEC_OPTIONS)} (e.g. topk:ratio=0.1)")
+                             f"{', '.join(SPEC_OPTIONS)} (e.g. topk:ratio=0.1); '{ALONE}': one worker, "
+                             "no communication, for reference")
     parser.add_argument("--seeds", type=int, default=1,
                         help="training runs per codec (seeds 0..N-1); figures are means, deltas paired by seed")
     parser.add_argument("--task", default="digits", help="task for the training runs")

@@ -49,7 +49,7 @@ def test_balance_bench_runs_four_jobs_and_writes_json(tmp_path, cache_dir):
 
 def test_codecs_bench_kernel_and_training_tables(tmp_path):
     proc = run_poise("bench", "codecs", "--mbytes", "2", "--repeats", "1", "--warmup", "0", "--kernels", "fp16,sign",
-                     "--codecs", "none,topk:ratio=0.25", "--seeds", "2", "--steps", "6", "--out", str(tmp_path),
+                     "--codecs", "none,topk:ratio=0.25,alone", "--seeds", "2", "--steps", "6", "--out", str(tmp_path),
                      timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vs memcpy" in proc.stdout and "eval acc" in proc.stdout
@@ -63,6 +63,10 @@ def test_codecs_bench_kernel_and_training_tables(tmp_path):
     assert 3.5 < topk["compression_ratio"] < 4.1  # fp16 value + 16-bit offset for a quarter of the entries
     # the two seeds are different runs (initial weights, data order)
     assert runs["none"]["seed_loss"][0] != runs["none"]["seed_loss"][1]
+    # the reference row: one worker, nothing sent, no target of its own
+    assert "meets_target" not in runs["alone"] and "loss_delta_pct" in runs["alone"]
+    alone = json.loads((tmp_path / "alone-seed0" / "report.json").read_text())
+    assert len(alone["per_rank"]) == 1
 
 
 def test_codecs_bench_refuses_a_bad_codec_spec_before_running(tmp_path):

@@ -22,6 +22,11 @@ Measured (code-lm, 300 steps, 2 workers, bits per byte against uncompressed Adam
   uses; so ``comm.freeze_variance=auto`` freezes for sign only.
 - compressing after 2 instead of 20 steps, live: top-k +8.9 %, random-k +48 %, PowerSGD
   +3.3 %: hence the lossy codecs' longer warm-up.
+- top-k's gap is not the second moment's fault: fed the exact uncompressed gradient's ``v``
+  (an experiment that all-reduced the dense gradient too), top-k still ends +5.6 %. What costs
+  is the delay itself: error feedback sends a small entry only after it has piled up, so at
+  1 % each entry moves about once per hundred steps. One worker alone, sending nothing, ends
+  +2.7 %; top-k and random-k end below it (``poise bench codecs`` shows that ``alone`` row).
 
 Entries whose gradient was zero through the warm-up (embedding rows of unseen tokens, border
 pixels) would be divided by ``eps`` alone once frozen, while sign keeps sending them

@@ -37,16 +37,17 @@ class Slowdown:
     """How this rank is slowed: ``speed`` in (0, 1], ``method`` none, cgroup or sleep.
 
     ``mark_s`` is the ``perf_counter()`` time the current stretch of compute began; the
-    training step sets it before forward and backward.
+    training step sets it before forward and backward. None until then: a backward outside
+    the training step (the resume path's throw-away step) has no stretch to slow.
     """
 
     speed: float = 1.0
     method: str = "none"
-    mark_s: float = field(default=0.0, repr=False)
+    mark_s: float | None = field(default=None, repr=False)
 
     def stretch(self) -> None:
         """With the sleep method, sleep (1/speed − 1) × the compute since ``mark_s``; re-mark."""
-        if self.method == "sleep" and self.speed < 1.0:
+        if self.method == "sleep" and self.speed < 1.0 and self.mark_s is not None:
             time.sleep((1.0 / self.speed - 1.0) * max(0.0, time.perf_counter() - self.mark_s))
         self.mark_s = time.perf_counter()
 

@@ -3,7 +3,14 @@ ends exactly where an uninterrupted run ends (parameters, and samples trained pe
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +18,7 @@ import torch
 
 from poise.checkpoint import layout
 from poise.runtime.samples import read_samples
-from tests.conftest import run_poise
+from tests.conftest import ROOT, run_poise
 
 pytestmark = pytest.mark.e2e
 
@@ -142,3 +149,72 @@ def test_compressed_run_resumes_exactly(tmp_path, codec):
     a, b = final_model(whole), final_model(killed)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in their own sessions, so a
+    process-group kill would miss them), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+@pytest.mark.timeout(300)  # a collective timeout (10 s) and torchrun's re-rendezvous (~40 s) included
+def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
+    """torchrun's own membership change: two one-worker "nodes" join a ``--nnodes 1:2`` job on
+    loopback; one of them dies whole (agent and worker, as a machine would), and the other
+    re-rendezvouses alone, resumes from the newest checkpoint on 1 rank and re-plans the rest
+    of the epoch: every sample of every epoch is trained on exactly once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"  # shared by both nodes, as a cluster's shared file system would be
+    job = [sys.executable, "-m", "poise", "train", "--task", "digits", "--nproc", "1", "--nnodes", "1:2",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist.rdzv_id", "elastic-test", "--epochs", "2",
+           "--batch-size", "32", "--checkpoint-every", "5", "--max-restarts", "1", "--dist.timeout_s", "10",
+           "--rank-speed", "0:0.2", "--balance.slowdown_method", "sleep",  # ~10 steps a second
+           "--diagnostics.record_samples", "true", "--diagnostics.progress", "false", "--diagnostics.plot", "false",
+           "--out", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logs = [open(tmp_path / f"node-{i}.log", "w+") for i in range(2)]  # closed in the finally block
+    # node 0's agent hosts the rendezvous store (it lives in that agent): node 1 is the one to die
+    nodes = [subprocess.Popen([*job, "--dist.rdzv_is_host", str(i == 0).lower()], stdout=log,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+             for i, log in enumerate(logs)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "step-00000010").exists():
+            assert time.monotonic() < deadline and nodes[0].poll() is None, "no checkpoint 10 within 120 s"
+            time.sleep(0.1)
+        victim = nodes[1]
+        for pid in [victim.pid, *_descendants(victim.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert nodes[0].wait(timeout=180) == 0
+    finally:
+        for node in nodes:
+            for pid in [node.pid, *_descendants(node.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            node.wait()
+        for log in logs:
+            log.seek(0)
+            print(log.read()[-3000:])  # shown when the test fails
+            log.close()
+    report = json.loads((out / "report.json").read_text())
+    assert report["restarts"] == 1 and len(report["per_rank"]) == 1
+    assert report["first_step"] == int(report["resumed_from"].removeprefix("step-")) >= 10
+    got = read_samples(out / "samples")
+    assert sorted(got) == [0, 1]
+    for epoch, indices in got.items():  # 22 steps of 2 x 32, then 44 of 1 x 32: 1408 a time
+        assert len(indices) == len(set(indices)) == 1408, f"epoch {epoch}"

@@ -124,7 +124,7 @@ class PowerSGDCodec(Codec):
     name: ClassVar[str] = "powersgd"
     summable: ClassVar[bool] = False
 
-    def __init__(self, rank: int = 4, *, warm_start: bool = True, min_compression: float = 2.0,
+    def __init__(self, rank: int = 8, *, warm_start: bool = True, min_compression: float = 2.0,
                  seed: int = 0) -> None:
         super().__init__()
         if rank <= 0:

@@ -27,11 +27,10 @@ Two selection methods give the same entries:
   the exact top k of those candidates (a set ~n/80 in size) with an O(n/80) ``np.partition``
   for the k-th largest magnitude and one compare (``torch.topk`` there, plus the index_select
   round trips, cost ~2 ms more per 100 MB). Indices come out in ascending order, as the
-  block counts need. With numba
-  (``kernels.py``) the candidate scan is one fused pass instead: a 16-wide vector compare per
-  16 entries, and only the rare groups with a candidate are walked. When the
-  estimate misses (fewer than k candidates) it falls back to the exact method, so the result
-  is always the true top k (up to ties).
+  block counts need. With numba (``kernels.py``) the candidate scan is one fused pass
+  instead: a 16-wide vector compare per 16 entries, and only the rare groups with a
+  candidate are walked. When the estimate misses (fewer than k candidates) it falls back to
+  the exact method, so the result is always the true top k (up to ties).
 """
 
 from __future__ import annotations

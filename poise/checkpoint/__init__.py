@@ -11,7 +11,10 @@ and sha256 of every file written last, then the directory renamed into place; on
 newest checkpoint that verifies is used, and a corrupt or incomplete one is skipped with a
 one-line warning. Saves are asynchronous (a snapshot in memory, written by a background
 thread) and differential (between full bases, only tensors whose hash changed are written;
-restore composes base + differentials and checks every tensor's hash: bit-exact).
+restore composes base + differentials and checks every tensor's hash: bit-exact). With a
+``delta_codec``, changed tensors are written as codec-encoded changes since the last save,
+with error feedback against the restorable state (see ``Checkpointer._entry``): fewer
+bytes in full training, restored within the error each save logs.
 
 torch.distributed.checkpoint (DCP) and what poise adds. DCP saves a state dict from every
 rank in parallel: each rank plans the tensor pieces it owns, replicated tensors are

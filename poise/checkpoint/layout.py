@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from poise.comm import codecs
 from poise.files import write_atomic, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -178,26 +179,38 @@ def load_file(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def holders(entry: dict[str, Any]) -> list[str]:
+    """The checkpoints a manifest entry reads from: where its tensor is, then its deltas, in order."""
+    return [entry["in"], *(d["in"] for d in entry.get("deltas", ()))]
+
+
 def load_tensors(root: Path, manifest: dict[str, Any], group: str) -> dict[str, torch.Tensor]:
-    """Compose the tensors of ``group`` (``model`` or ``optim``) from the checkpoints that hold them.
+    """Compose the tensors of ``group`` (``model`` or ``optim``) from the checkpoints that hold them:
+    each tensor as it was stored, plus the decoded deltas saved after it (lossy ``delta_codec``).
 
     Raises:
-        CorruptCheckpoint: when a tensor is missing or its hash differs from the manifest's.
+        CorruptCheckpoint: when a tensor or delta is missing or a stored tensor's hash differs
+            from the manifest's (deltas are covered by their files' checksums).
     """
-    table: dict[str, dict[str, str]] = manifest["tensors"][group]
-    by_holder: dict[str, list[str]] = {}
-    for key, entry in table.items():
-        by_holder.setdefault(entry["in"], []).append(key)
+    table: dict[str, dict[str, Any]] = manifest["tensors"][group]
+    files: dict[str, dict[str, Any]] = {}
+
+    def stored(holder: str, key: str) -> Any:
+        if holder not in files:
+            files[holder] = load_file(root / holder / f"{group}.pt")
+        if key not in files[holder]:
+            raise CorruptCheckpoint(f"{holder}/{group}.pt lacks {key}")
+        return files[holder][key]
+
     out: dict[str, torch.Tensor] = {}
-    for holder, keys in by_holder.items():
-        stored = load_file(root / holder / f"{group}.pt")
-        for key in keys:
-            if key not in stored:
-                raise CorruptCheckpoint(f"{holder}/{group}.pt lacks {key}")
-            tensor = stored[key]
-            if tensor_digest(tensor) != table[key]["sha256"]:
-                raise CorruptCheckpoint(f"{holder}/{group}.pt: {key} does not match its hash")
-            out[key] = tensor
+    for key, entry in table.items():
+        tensor = stored(entry["in"], key)
+        if tensor_digest(tensor) != entry["sha256"]:
+            raise CorruptCheckpoint(f"{entry['in']}/{group}.pt: {key} does not match its hash")
+        for delta in entry.get("deltas", ()):
+            payload = codecs.Encoded(tuple(stored(delta["in"], key)), tensor.shape, tensor.dtype)
+            tensor = tensor + codecs.make(delta["codec"]).decode(payload)
+        out[key] = tensor
     return out
 
 

@@ -26,9 +26,12 @@ import torch.distributed as dist
 
 from poise.checkpoint import layout
 from poise.checkpoint.state import TrainingState, fit_config, fit_problems, param_shapes
+from poise.comm import codecs
 from poise.config import RunConfig, config_hash
 
 log = logging.getLogger(__name__)
+
+MIN_DELTA_NUMEL = 4096  # smaller tensors are stored whole: a delta would save next to nothing
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class SaveRecord:
     tensors_total: int
     stall_s: float  # seconds the training loop was held up
     write_s: float  # seconds from the snapshot's end to the checkpoint being in place
+    max_error: float = 0.0  # largest |restored - saved| entry, in the tensors' units (0: exact)
 
 
 def _copy(value: Any) -> Any:
@@ -76,9 +80,18 @@ class Checkpointer:
         self.records: list[SaveRecord] = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        # rank 0, differential saves: key -> {"in": checkpoint, "sha256": digest} of the last save
-        self._index: dict[str, dict[str, dict[str, str]]] = {}
+        # rank 0, differential saves: group -> key -> manifest entry of the last save
+        self._index: dict[str, dict[str, dict[str, Any]]] = {}
         self._saves_since_full = 0
+        # rank 0, lossy deltas: the codec per group, what a restore of the last save gives, and
+        # the true tensor's digest then. Optimizer moments always get bf16 deltas: their entries
+        # span many orders of magnitude, and a scale shared by a chunk (int8) or dropping the
+        # small ones (top-k) left tiny second moments near zero, which made a resumed run diverge.
+        lossy = self.settings.delta_codec != "exact"
+        self._delta_codecs = {"model": codecs.make(self.settings.delta_codec), "optim": codecs.make("bf16")} \
+            if lossy else {}
+        self._restored: dict[str, torch.Tensor] = {}
+        self._true_digest: dict[str, str] = {}
 
     def due(self, steps_done: int) -> bool:
         return self.settings.every_steps > 0 and steps_done % self.settings.every_steps == 0
@@ -130,27 +143,26 @@ class Checkpointer:
         full = (not self.settings.differential or not self._index
                 or self._saves_since_full + 1 >= self.settings.full_every)
         name = layout.checkpoint_name(step)
-        index: dict[str, dict[str, dict[str, str]]] = {}
-        written = 0
+        index: dict[str, dict[str, dict[str, Any]]] = {}
+        written, max_error = 0, 0.0
         for group in ("model", "optim"):
             entries, payload = {}, {}
             for key, tensor in snapshot.tensors.items():
                 if not key.startswith(group + "/"):
                     continue
-                digest = layout.tensor_digest(tensor)
-                previous = self._index.get(group, {}).get(key)
-                if not full and previous is not None and previous["sha256"] == digest:
-                    entries[key] = previous
-                else:
-                    entries[key] = {"in": name, "sha256": digest}
-                    payload[key] = tensor
+                previous = None if full else self._index.get(group, {}).get(key)
+                entries[key], stored, error = self._entry(key, tensor, previous, name)
+                if stored is not None:
+                    payload[key] = stored
+                max_error = max(max_error, error)
             written += len(payload)
             index[group] = entries
             files[f"{group}.pt"] = layout.write_payload(partial, f"{group}.pt", payload).entry()
         files["state.pt"] = layout.write_payload(partial, "state.pt", snapshot.shared).entry()
         for r in range(1, self.world_size):
             files[layout.rank_file(r)] = json.loads(self._wait_note(step, r))
-        bases = sorted({e["in"] for group in index.values() for e in group.values()} | {name})
+        bases = sorted({holder for group in index.values() for e in group.values() for holder in layout.holders(e)}
+                       | {name})
         manifest = {
             "step": step, "kind": "full" if full else "differential", "world_size": self.world_size,
             "files": files, "bases": bases, "tensors": index, **self.fit,
@@ -162,12 +174,37 @@ class Checkpointer:
         if stall_start is not None:
             stall_s = time.perf_counter() - stall_start
         record = SaveRecord(step, manifest["kind"], total_bytes, written, len(snapshot.tensors), stall_s,
-                            time.perf_counter() - begin)
+                            time.perf_counter() - begin, max_error)
         self.records.append(record)
         deleted = layout.prune(self.root, self.settings.keep, self.attempt)
-        log.info("checkpoint %s: %s, %.2f MB, %d of %d tensors written, stall %.1f ms, write %.2f s%s",
+        log.info("checkpoint %s: %s, %.2f MB, %d of %d tensors written, stall %.1f ms, write %.2f s%s%s",
                  name, record.kind, total_bytes / 1e6, written, len(snapshot.tensors), 1e3 * stall_s,
-                 record.write_s, f", removed {', '.join(deleted)}" if deleted else "")
+                 record.write_s, f", restores within {max_error:.2g}" if max_error else "",
+                 f", removed {', '.join(deleted)}" if deleted else "")
+
+    def _entry(self, key: str, tensor: torch.Tensor, previous: dict[str, Any] | None,
+               name: str) -> tuple[dict[str, Any], Any, float]:
+        """Rank 0: ``(manifest entry, what to store under key in this save or None, max |error|)``.
+
+        Unchanged since the last save (same digest): the previous entry, nothing stored. Else, in
+        a full save or with exact deltas: the tensor itself. Else, with a delta codec: the
+        codec's encoding of the change since what a restore of the last save gives, which
+        carries every earlier delta's error forward (error feedback), so the error never grows
+        past one encoding's.
+        """
+        digest = layout.tensor_digest(tensor)
+        if previous is not None and self._true_digest.get(key) == digest:
+            return previous, None, float((tensor - self._restored[key]).abs().max()) if "deltas" in previous else 0.0
+        self._true_digest[key] = digest
+        codec = self._delta_codecs.get(key.split("/", 1)[0])
+        if previous is None or codec is None or not tensor.is_floating_point() or tensor.numel() < MIN_DELTA_NUMEL:
+            if codec is not None:
+                self._restored[key] = tensor
+            return {"in": name, "sha256": digest}, tensor, 0.0
+        encoded = codec.encode(tensor - self._restored[key])
+        self._restored[key] = self._restored[key] + codec.decode(encoded)
+        entry = {**previous, "deltas": [*previous.get("deltas", []), {"in": name, "codec": codec.name}]}
+        return entry, list(encoded.tensors), float((tensor - self._restored[key]).abs().max())
 
     def _wait_note(self, step: int, rank: int) -> str:
         assert self.store is not None, "a multi-rank checkpoint needs the job's store"

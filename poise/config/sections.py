@@ -27,6 +27,8 @@ LOSSY_CODECS = ("sign", "topk", "randomk", "powersgd", "torch-powersgd")
 # freezes it (poise/optim.py has the measurements; sparse and low-rank codecs train better
 # with it live)
 VARIANCE_FREEZING_CODECS = ("sign",)
+# checkpoint deltas: codecs that need no state or shared seed to decode (random-k and PowerSGD do)
+DELTA_CODECS = ("exact", "int8", "fp16", "bf16", "topk")
 # poise.balance.partition.METHODS and poise.pipeline.stage.SCHEDULES, by name.
 PARTITION_METHODS = ("exact", "uniform", "parameters", "greedy")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
@@ -403,6 +405,9 @@ class CheckpointConfig:
     async_save: bool = _field(True, "write checkpoints in the background while training continues")
     differential: bool = _field(True, "between full saves, write only the tensors that changed (exact, by hash)")
     full_every: int = _field(10, "differential: every this many saves is a full one")
+    delta_codec: str = _field(
+        "exact", "differential: 'exact' writes changed tensors whole; a codec (int8, fp16, bf16, topk) writes "
+        "their change since the last save, with its error carried to the next (restore within the logged error)")
     keep: int = _field(3, "newest checkpoints kept (plus the full bases they build on)")
 
     def __post_init__(self) -> None:
@@ -410,6 +415,9 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.every_steps={self.every_steps} must be >= 0 (0 = no checkpoints)")
         _positive("checkpoint", "full_every", self.full_every, allow_none=False)
         _positive("checkpoint", "keep", self.keep, allow_none=False)
+        if self.delta_codec not in DELTA_CODECS:
+            raise ValueError(f"checkpoint.delta_codec={self.delta_codec!r} is unknown: allowed are "
+                             f"{', '.join(DELTA_CODECS)}")
 
 
 @dataclass(frozen=True, kw_only=True)

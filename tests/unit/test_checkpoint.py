@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,52 @@ def test_differential_restore_equals_full_restore_and_writes_only_what_changed(t
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def _train_all_layers(model: nn.Module, step: int) -> None:
+    with torch.no_grad():  # full training: every tensor changes, by a different amount per entry
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+
+
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_lossy_deltas_restore_within_the_logged_error_and_the_error_does_not_grow(tmp_path, codec):
+    model = _model()
+    config = _config(tmp_path, differential=True, full_every=10, keep=100, delta_codec=codec)
+    saver = Checkpointer(config, rank=0, world_size=1, store=None, attempt=0, model=model)
+    truth = []
+    for step in range(1, 7):
+        _train_all_layers(model, step)
+        saver.save(_state(model, step))
+        truth.append({f"model/{k}": v.clone() for k, v in model.state_dict().items()})
+    records = saver.records
+    assert [r.kind for r in records] == ["full"] + ["differential"] * 5
+    assert records[0].max_error == 0.0 and all(r.max_error > 0 for r in records[1:])
+    if codec == "int8":  # a quarter of the bytes; the error stays one encoding's, not five
+        assert all(r.bytes_written < 0.3 * records[0].bytes_written for r in records[1:])
+        assert records[-1].max_error < 1.5 * records[1].max_error
+    root = tmp_path / "checkpoints"
+    for step, want in enumerate(truth, start=1):
+        manifest = layout.verify(root, layout.checkpoint_name(step))
+        got = layout.load_tensors(root, manifest, "model")
+        error = max(float((got[k] - want[k]).abs().max()) for k in want)
+        assert error <= records[step - 1].max_error * (1 + 1e-6), step
+    manifest = layout.verify(root, "step-00000006")
+    assert set(manifest["bases"]) == {f"step-{s:08d}" for s in range(1, 7)}  # the base and every delta
+    assert [d["in"] for d in manifest["tensors"]["model"]["model/0.weight"]["deltas"]] == [
+        f"step-{s:08d}" for s in range(2, 7)]
+
+
+def test_a_missing_delta_makes_the_checkpoint_fall_back(tmp_path):
+    model = _model()
+    config = _config(tmp_path, differential=True, keep=100, delta_codec="int8")
+    saver = Checkpointer(config, rank=0, world_size=1, store=None, attempt=0, model=model)
+    for step in range(1, 4):
+        _train_all_layers(model, step)
+        saver.save(_state(model, step))
+    root = tmp_path / "checkpoints"
+    shutil.rmtree(root / "step-00000002")  # a delta that steps 2 and 3 build on
+    assert layout.newest_good(root)[0] == "step-00000001"
 
 
 def test_a_full_base_every_k_saves_and_pruning_keeps_the_bases_in_use(tmp_path):

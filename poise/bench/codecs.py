@@ -114,7 +114,8 @@ def kernel_table(mbytes: float, repeats: int, warmup: int, labels: list[str]) ->
 
 
 # codec options a spec may set ("topk:ratio=0.1"), and the poise train flag each one maps to
-SPEC_OPTIONS = {"ratio": "--comm.topk_ratio", "rank": "--comm.powersgd_rank", "chunk_size": "--comm.int8_chunk_size"}
+SPEC_OPTIONS = {"ratio": "--comm.topk_ratio", "rank": "--comm.powersgd_rank", "chunk_size": "--comm.int8_chunk_size",
+                "local_first": "--comm.local_first"}
 # the codec issue's accuracy targets, per task: (figure, bound) with the delta against "none"
 TARGETS: dict[str, tuple[str, float]] = {"digits": ("accuracy_delta", -0.003), "code-lm": ("loss_delta_pct", 2.0)}
 

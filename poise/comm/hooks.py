@@ -142,14 +142,21 @@ class HookState:
             codec compresses only the inter-node step, at each node's leader: ranks sum their
             gradients uncompressed inside the node, leaders exchange encoded node sums
             (their bytes are counted in ``inter_node_counters``).
+        local_first: each rank keeps the part of its own gradient that its payload did not carry
+            (see :func:`compressed_hook`); needs error feedback and a flat, ring or tree collective.
     """
 
     def __init__(self, codec: Codec, *, process_group: dist.ProcessGroup | None = None, start_step: int = 2,
-                 collective: Collective | None = None) -> None:
+                 collective: Collective | None = None, local_first: bool = False) -> None:
         if start_step < 0:
             raise ValueError(f"start_step={start_step} must be >= 0")
+        if local_first and (not isinstance(codec, ErrorFeedback) or isinstance(collective, Hierarchical)
+                            or getattr(collective, "hierarchical", None) is not None):
+            raise ValueError("local_first needs a codec with error feedback and a flat, ring or tree collective")
         self.codec = codec
         self.start_step = start_step
+        self.local_first = local_first
+        self._unsent: dict[Any, torch.Tensor] = {}  # local_first: per bucket, this step's residual change
         self.step = 0
         self.weight: float | None = None
         self.bypass = False  # see settle_buckets
@@ -193,13 +200,47 @@ class HookState:
 
 
 def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: reduce ``bucket`` through ``state``'s reducer (uncompressed while warming up)."""
+    """DDP comm hook: reduce ``bucket`` through ``state``'s reducer (uncompressed while warming up).
+
+    With ``state.local_first``, each rank also adds back the part of its own (weighted)
+    gradient that its payload did not carry: it applies ``g_r + sum of the others' payloads``
+    instead of ``sum of all payloads``. Error feedback then delays only what the *other* ranks
+    send, and nothing of a rank's own gradient. Why: with a sparsifier and error feedback, an
+    entry waits until it has piled up (at 1 %, about once per hundred steps), and that delay,
+    not the codec's error, is what cost top-k and random-k on the transformer (poise/optim.py).
+    The residual's change over the step is exactly that unsent part: with ``c = g + e_old``
+    sent as ``s`` and ``e_new = c - s``, ``g - s = e_new - e_old``. The price: ranks no longer
+    hold the same weights. Rank r has applied all of its own gradient and the others' sent
+    parts, so two ranks differ by the difference of their outstanding residuals. That is
+    bounded as the residuals are, and a resume starts every rank from rank 0's saved weights.
+    """
     if state.bypass:
         return state.uncompressed.reduce(bucket.buffer(), key=bucket.index())
-    reducer = state.reducer if state.step >= state.start_step else state.uncompressed
+    compressing = state.step >= state.start_step
+    reducer = state.reducer if compressing else state.uncompressed
     # the parameters' shapes: low rank compresses each weight matrix of the bucket on its own
     shapes = [p.shape for p in bucket.parameters()]
-    fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight, shapes=shapes)
+    key = bucket.index()
+    keep_own = compressing and state.local_first
+    if keep_own:
+        before = state.codec.residual(key)
+        unsent = state._unsent.get(key)
+        if before is None or unsent is None or unsent.shape != before.shape:
+            unsent = state._unsent[key] = torch.zeros_like(bucket.buffer().view(-1))
+        if before is not None:
+            unsent.copy_(before)
+    fut = reducer.reduce(bucket.buffer(), key=key, weight=state.weight, shapes=shapes)
+    after = state.codec.residual(key) if keep_own else None
+    if after is not None:  # None: the bucket went uncompressed (PowerSGD with no matrix in it)
+        torch.sub(after, unsent, out=unsent)  # e_new - e_old (the future reads it before this
+        # bucket's next hook call: DDP waits for every future at the end of backward)
+
+        def add_unsent(done: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            out = done.value()
+            out.view(-1).add_(unsent)
+            return out
+
+        fut = fut.then(add_unsent)
     if bucket.is_last():
         state.step += 1
     return fut
@@ -207,22 +248,24 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
 
 def make_state(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step: int = 2,
                on_nonfinite: str = "error", process_group: dist.ProcessGroup | None = None,
-               collective: Collective | None = None, **options: Any) -> HookState:
+               collective: Collective | None = None, local_first: bool = False, **options: Any) -> HookState:
     """A :class:`HookState` for ``codec`` (a name from ``codecs.CODECS`` with ``options``, or
     a codec object), wrapped in error feedback unless ``error_feedback`` is False or the
-    codec is ``none``, reducing through ``collective`` (None: flat)."""
+    codec is ``none``, reducing through ``collective`` (None: flat); ``local_first``: see
+    :func:`compressed_hook`."""
     if isinstance(codec, str):
         codec = codecs.make(codec, **options)
     elif options:
         raise ValueError(f"options {sorted(options)} apply to codec names, not to a codec object")
     if error_feedback and not isinstance(codec, (ErrorFeedback, IdentityCodec)):
         codec = ErrorFeedback(codec, on_nonfinite=on_nonfinite)
-    return HookState(codec, process_group=process_group, start_step=start_step, collective=collective)
+    return HookState(codec, process_group=process_group, start_step=start_step, collective=collective,
+                     local_first=local_first)
 
 
 def hook(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step: int = 2,
          on_nonfinite: str = "error", process_group: dist.ProcessGroup | None = None,
-         collective: Collective | None = None, **options: Any) -> CommHook:
+         collective: Collective | None = None, local_first: bool = False, **options: Any) -> CommHook:
     """A ready-to-register DDP comm hook that compresses gradients with ``codec``.
 
     Register it with ``ddp.register_comm_hook(None, h)``; it carries its own state as
@@ -232,7 +275,7 @@ def hook(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step
     ``poise.comm.collectives.make(name)`` (None: the backend's own all-reduce).
     """
     state = make_state(codec, error_feedback=error_feedback, start_step=start_step, on_nonfinite=on_nonfinite,
-                       process_group=process_group, collective=collective, **options)
+                       process_group=process_group, collective=collective, local_first=local_first, **options)
 
     def poise_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return compressed_hook(state, bucket)
@@ -374,9 +417,9 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
                                       segment_bytes=config.segment_bytes, small_bytes=config.tree_max_bytes)
     state = make_state(config.codec, error_feedback=config.error_feedback, start_step=start_step,
                        on_nonfinite=config.on_nonfinite, process_group=process_group, collective=collective,
-                       **options)
-    log.info("comm hook: %r over %r, uncompressed for the first %d steps", state.codec,
-             collective or "flat", state.start_step)
+                       local_first=config.local_first, **options)
+    log.info("comm hook: %r over %r, uncompressed for the first %d steps%s", state.codec,
+             collective or "flat", state.start_step, ", local first" if state.local_first else "")
     return compressed_hook, state
 
 

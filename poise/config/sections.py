@@ -251,6 +251,10 @@ class CommConfig:
         None, "optimizer steps run uncompressed first (unset: 2, as DDP rebuilds its buckets after step 1; for "
         f"{', '.join(LOSSY_CODECS)}: a twentieth of the run and at least twice the learning-rate warm-up)"
     )
+    local_first: bool = _field(
+        False, "each rank applies its own gradient whole at once; error feedback then delays only what the "
+        "other ranks send (ranks' weights differ by their unsent residuals; see poise/comm/hooks.py)"
+    )
     on_nonfinite: str = _field("error", "NaN/Inf in a gradient: 'error' stops, 'skip' skips the step and logs")
     freeze_variance: str = _field(
         "auto", "freeze AdamW's second moment once compression starts (1-bit Adam; see poise/optim.py): "
@@ -292,6 +296,12 @@ class CommConfig:
             )
         _positive("comm", "segment_bytes", self.segment_bytes, allow_none=False)
         _positive("comm", "tree_max_bytes", self.tree_max_bytes, allow_none=False)
+        if self.local_first and (self.codec == "none" or self.codec.startswith("torch-") or not self.error_feedback
+                                 or self.collective in ("hierarchical", "auto")):
+            raise ValueError(
+                f"comm.local_first needs a poise codec with error feedback over a flat, ring or tree collective "
+                f"(codec={self.codec!r}, error_feedback={self.error_feedback}, collective={self.collective!r})"
+            )
 
     def freezes_variance(self) -> bool:
         """Whether the optimizer freezes its second moment when compression starts

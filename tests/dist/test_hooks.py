@@ -191,3 +191,42 @@ def test_nan_on_one_rank_is_seen_by_every_rank_in_skip_mode():
             assert seen["skipped"] == (1 if rank == 1 else 0), (rank, name)
             if rank == 1:
                 assert seen["residual_kept"], name
+
+
+def _local_first(rank: int, world_size: int) -> dict:
+    """One compressed step (several buckets), local first: each rank's gradient is its own whole
+    gradient plus the other ranks' sent parts (all over world_size), whatever the codec."""
+    out = {}
+    for name, options in (("topk", {"ratio": 0.05}), ("randomk", {"ratio": 0.05}), ("powersgd", {"rank": 2})):
+        model = _model()
+        x, y = _batches(rank)[0]
+        nn.functional.mse_loss(model(x), y).backward()  # this rank's own gradient, no DDP
+        own = {n: p.grad.clone() for n, p in model.named_parameters()}
+        ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.005)
+        compress = poise.comm.hook(name, start_step=0, local_first=True, **options)
+        ddp.register_comm_hook(None, compress)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        got = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+        # the same step without local_first: the mean of everyone's sent parts
+        ddp = DistributedDataParallel(_model(), bucket_cap_mb=0.005)
+        ddp.register_comm_hook(None, poise.comm.hook(name, start_step=0, **options))
+        nn.functional.mse_loss(ddp(x), y).backward()
+        mean_sent = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+        out[name] = {"own": own, "got": got, "mean_sent": mean_sent,
+                     "residuals": {k: v.clone() for k, v in compress.state.codec._residuals.items()}}
+    return out
+
+
+def test_local_first_keeps_each_ranks_own_unsent_gradient():
+    results = run_ranks(_local_first, world_size=2, timeout_s=90)
+    for name in ("topk", "randomk", "powersgd"):
+        a, b = results[0][name], results[1][name]
+        for r in (a, b):  # something was held back, so the identity below means something
+            assert sum(float(t.abs().sum()) for t in r["residuals"].values()) > 0, name
+        # rank r applies mean_sent + (g_r - s_r)/W: the two ranks now differ ...
+        assert any(not torch.equal(a["got"][n], b["got"][n]) for n in a["got"]), name
+        # ... and summed over the ranks, the sent parts count once and the own gradients once:
+        # got_0 + got_1 = 2 mean_sent + (g_0 + g_1)/2 - (s_0 + s_1)/2 = mean_sent + mean_g
+        for n in a["got"]:
+            want = a["mean_sent"][n] + (a["own"][n] + b["own"][n]) / 2
+            torch.testing.assert_close(a["got"][n] + b["got"][n], want, rtol=1e-4, atol=1e-6, msg=(name, n))

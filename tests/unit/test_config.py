@@ -51,6 +51,12 @@ def test_precedence_defaults_file_flags(tmp_path):
         (["--codec", "zip"], "comm.codec='zip' is unknown: allowed are none, fp16"),
         (["--topk-ratio", "0"], "comm.topk_ratio=0.0 is outside (0, 1]"),
         (["--bucket-mb", "0"], "comm.bucket_mb=0.0 is invalid"),
+        (["--comm.local_first", "true"], "comm.local_first needs a poise codec with error feedback"),
+        (["--codec", "torch-powersgd", "--comm.local_first", "true"], "codec='torch-powersgd'"),
+        (["--codec", "topk", "--no-error-feedback", "--comm.local_first", "true"], "error_feedback=False"),
+        (["--codec", "topk", "--collective", "hierarchical", "--comm.local_first", "true"],
+         "collective='hierarchical'"),
+        (["--checkpoint.delta_codec", "zip"], "checkpoint.delta_codec='zip' is unknown: allowed are exact, int8"),
     ],
 )
 def test_bad_values_give_one_line_errors(argv, needle):

@@ -259,6 +259,10 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         samples.close()
     timeline.flush()
 
+    if config.comm.local_first:
+        # the ranks' weights differ by their unsent residuals: evaluate the weights rank 0 saved
+        for tensor in ddp.module.state_dict().values():
+            dist.broadcast(tensor, src=0)
     result = evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples,
                       batch_size=tc.batch_size or task.default_batch_size)
     slowdowns: list[dict] = [{}] * ctx.world_size  # emulated heterogeneity of every rank

@@ -160,6 +160,16 @@ def test_train_with_a_gradient_codec(tmp_path, codec, min_ratio):
     assert report["train_loss_last"] < report["train_loss_first"]
 
 
+def test_train_with_local_first_top_k(tmp_path):
+    proc = run_poise("train", "--task", "digits", "--nproc", "2", "--steps", "12", "--codec", "topk",
+                     "--comm.local_first", "true", "--out", str(tmp_path), *QUIET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "uncompressed for the first 2 steps, local first" in proc.stderr
+    report = _report(tmp_path)
+    assert report["compression_ratio"] >= 20
+    assert report["train_loss_last"] < report["train_loss_first"]
+
+
 @pytest.mark.parametrize(("balance", "steps"), [("static", 11), ("cost", None)])
 def test_epochs_mode_runs_whole_epochs(tmp_path, balance, steps):
     proc = run_poise("train", "--task", "digits", "--nproc", "2", "--epochs", "1", "--batch-size", "64",

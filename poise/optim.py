@@ -28,7 +28,7 @@ Measured (code-lm, 300 steps, 2 workers, bits per byte against uncompressed Adam
   1 % each entry moves about once per hundred steps. One worker alone, sending nothing, ends
   +2.7 %; top-k and random-k end below it (``poise bench codecs`` shows that ``alone`` row).
   ``comm.local_first`` removes the delay of each rank's own share (poise/comm/hooks.py):
-  top-k +2.4 %, random-k +3.0 %.
+  top-k +2.3 %, random-k +3.0 %.
 
 Entries whose gradient was zero through the warm-up (embedding rows of unseen tokens, border
 pixels) would be divided by ``eps`` alone once frozen, while sign keeps sending them

@@ -194,6 +194,7 @@ def load_tensors(root: Path, manifest: dict[str, Any], group: str) -> dict[str, 
     """
     table: dict[str, dict[str, Any]] = manifest["tensors"][group]
     files: dict[str, dict[str, Any]] = {}
+    decoders: dict[str, codecs.Codec] = {}
 
     def stored(holder: str, key: str) -> Any:
         if holder not in files:
@@ -209,7 +210,9 @@ def load_tensors(root: Path, manifest: dict[str, Any], group: str) -> dict[str, 
             raise CorruptCheckpoint(f"{entry['in']}/{group}.pt: {key} does not match its hash")
         for delta in entry.get("deltas", ()):
             payload = codecs.Encoded(tuple(stored(delta["in"], key)), tensor.shape, tensor.dtype)
-            tensor = tensor + codecs.make(delta["codec"]).decode(payload)
+            if delta["codec"] not in decoders:
+                decoders[delta["codec"]] = codecs.make(delta["codec"])
+            tensor = tensor + decoders[delta["codec"]].decode(payload)
         out[key] = tensor
     return out
 

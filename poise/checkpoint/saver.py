@@ -87,9 +87,9 @@ class Checkpointer:
         # the true tensor's digest then. Optimizer moments always get bf16 deltas: their entries
         # span many orders of magnitude, and a scale shared by a chunk (int8) or dropping the
         # small ones (top-k) left tiny second moments near zero, which made a resumed run diverge.
-        lossy = self.settings.delta_codec != "exact"
-        self._delta_codecs = {"model": codecs.make(self.settings.delta_codec), "optim": codecs.make("bf16")} \
-            if lossy else {}
+        self._delta_codecs: dict[str, codecs.Codec] = {}
+        if self.settings.delta_codec != "exact":
+            self._delta_codecs = {"model": codecs.make(self.settings.delta_codec), "optim": codecs.make("bf16")}
         self._restored: dict[str, torch.Tensor] = {}
         self._true_digest: dict[str, str] = {}
 

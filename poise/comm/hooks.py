@@ -222,12 +222,14 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
     shapes = [p.shape for p in bucket.parameters()]
     key = bucket.index()
     keep_own = compressing and state.local_first
-    if keep_own:
-        before = state.codec.residual(key)
+    if keep_own:  # unsent := e_old (zero before the first residual), reused across steps
         unsent = state._unsent.get(key)
-        if before is None or unsent is None or unsent.shape != before.shape:
-            unsent = state._unsent[key] = torch.zeros_like(bucket.buffer().view(-1))
-        if before is not None:
+        if unsent is None or unsent.numel() != bucket.buffer().numel():
+            unsent = state._unsent[key] = torch.empty_like(bucket.buffer().view(-1))
+        before = state.codec.residual(key)
+        if before is None or before.shape != unsent.shape:
+            unsent.zero_()
+        else:
             unsent.copy_(before)
     fut = reducer.reduce(bucket.buffer(), key=key, weight=state.weight, shapes=shapes)
     after = state.codec.residual(key) if keep_own else None

@@ -1,18 +1,4 @@
-"""The DDP communication-hook adapter, and the probe that times a rank's own compute.
-
-DDP hands each gradient bucket to a communication hook as soon as the bucket's gradients
-are ready, then waits for every hook's future at the end of ``backward()``. That gives a
-clean way to split backward time on each rank without extra synchronisation:
-
-- the moment the *last* bucket reaches its hook is when this rank finished computing its
-  gradients (its own compute, whatever its speed);
-- the time from then until ``backward()`` returns is time blocked in communication,
-  which includes waiting for slower ranks to send their share.
-
-Timing the whole ``backward()`` instead would hide a slow rank: DDP's all-reduce makes every
-rank's backward last as long as the slowest one's. :class:`BucketProbe` records the
-readiness times and bytes; :func:`instrumented` wraps any hook with it, so compression hooks
-are measured the same way.
+"""The DDP communication-hook adapter for poise's codecs, and torch's own hooks beside it.
 
 The compression adapter: :func:`compressed_hook` is the one function DDP calls per bucket; it
 hands the bucket to a reducer (``reducers.py``), which runs the codec (``codecs/``) and the
@@ -28,7 +14,6 @@ annotations at registration and compares them with real classes, not strings.)
 """
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,89 +25,11 @@ from poise.comm import codecs, collectives
 from poise.comm.codecs import Codec, ErrorFeedback
 from poise.comm.codecs.cast import IdentityCodec
 from poise.comm.collectives import Collective, Hierarchical, Topology
+from poise.comm.probe import CommHook
 from poise.comm.reducers import AllReduceReducer, Counters, Reducer, StepStats, make_reducer
 from poise.config import CODEC_NAMES, CommConfig
 
 log = logging.getLogger(__name__)
-
-CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
-
-
-class BucketProbe:
-    """Per-step record of when this rank's gradient buckets became ready and were reduced.
-
-    Attributes:
-        last_ready_s: ``time.perf_counter()`` (seconds) when the last bucket reached the hook
-            this step, or None before any did.
-        buckets_this_step: number of buckets seen this step.
-        in_flight: ``(start, end)`` perf-counter seconds of each bucket this step, from the hook
-            call to the completion of its future (collectives and decoding included).
-
-    (Bytes are counted by the hook's own state: ``step_stats()``.)
-    """
-
-    def __init__(self, synchronize_cuda: bool = False) -> None:
-        self.synchronize_cuda = synchronize_cuda
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new step."""
-        self.last_ready_s: float | None = None
-        self.buckets_this_step = 0
-        self.in_flight: list[tuple[float, float]] = []
-
-    def on_bucket(self, buffer: torch.Tensor) -> float:
-        """Note a bucket handed to the hook; returns the time (seconds) for :meth:`on_done`."""
-        if self.synchronize_cuda:
-            # CUDA kernels run asynchronously: wait for the gradients to exist, or the time
-            # would only say when they were queued. Costs some overlap; buys honest numbers.
-            torch.cuda.synchronize(buffer.device)
-        self.last_ready_s = time.perf_counter()
-        self.buckets_this_step += 1
-        return self.last_ready_s
-
-    def on_done(self, started_s: float) -> None:
-        """Note that the bucket handed over at ``started_s`` is reduced (called from a future's
-        callback thread; appending to a list is atomic)."""
-        self.in_flight.append((started_s, time.perf_counter()))
-
-    def comm_overlap(self, compute_end_s: float) -> tuple[float, float]:
-        """``(busy, hidden)`` seconds of this step: how long at least one bucket was in flight,
-        and how much of that fell before ``compute_end_s`` (hidden behind backward compute)."""
-        busy = hidden = 0.0
-        cur_start = cur_end = None
-        for start, end in sorted(self.in_flight):
-            if cur_end is None or start > cur_end:
-                if cur_end is not None:
-                    busy += cur_end - cur_start
-                    hidden += max(0.0, min(cur_end, compute_end_s) - cur_start)
-                cur_start, cur_end = start, end
-            else:
-                cur_end = max(cur_end, end)
-        if cur_end is not None:
-            busy += cur_end - cur_start
-            hidden += max(0.0, min(cur_end, compute_end_s) - cur_start)
-        return busy, hidden
-
-
-def instrumented(hook: CommHook, probe: BucketProbe) -> CommHook:
-    """Wrap a DDP comm hook so ``probe`` sees every bucket before ``hook`` sends it, and when
-    its reduction completes.
-
-    (DDP checks the wrapper's annotations at registration, so this module must not use
-    postponed, string annotations.)
-    """
-
-    def timed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        started = probe.on_bucket(bucket.buffer())
-
-        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            probe.on_done(started)
-            return fut.value()
-
-        return hook(state, bucket).then(done)
-
-    return timed_hook
 
 
 # -- the compression adapter -----------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from poise.comm.hooks import BucketProbe
+from poise.comm.probe import BucketProbe
 from poise.diagnostics.timeline import StepRecord
 from poise.runtime.slowdown import Slowdown
 from poise.tasks.base import Task
@@ -85,8 +85,8 @@ def train_step(
         _sync(device)
     t3 = time.perf_counter()
     # No bucket reached the hook only if nothing needs a gradient; then there was no comm.
-    ready = probe.last_ready_s if probe.last_ready_s is not None else t3
-    comm_busy_s, comm_hidden_s = probe.comm_overlap(compute_end_s=ready)
+    ready = probe.last_ready if probe.last_ready is not None else t3
+    comm_busy_s, comm_hidden_s = probe.comm_overlap(ready)
 
     skipped = False
     if last_micro:

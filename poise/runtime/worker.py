@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from poise import checkpoint, optim
 from poise import config as config_mod
 from poise.comm import hooks as comm_hooks
-from poise.comm.hooks import BucketProbe, instrumented
+from poise.comm.probe import BucketProbe, instrumented
 from poise.config import RunConfig
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.timeline import Timeline, write_chrome_trace
@@ -116,7 +116,7 @@ def wrap_model(
     ddp = DistributedDataParallel(
         model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb
     )
-    probe = BucketProbe(synchronize_cuda=ctx.device.type == "cuda")
+    probe = BucketProbe()  # host clock: this step times with perf_counter
     hook, comm_state = comm_hooks.build(config.comm, start_step=compression_start)
     # order matters: the emulated slowness must happen before the probe reads the clock
     ddp.register_comm_hook(comm_state, slowdown.wrap_hook(instrumented(hook, probe)))

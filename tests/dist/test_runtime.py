@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from poise import config as cfg
-from poise.comm.hooks import BucketProbe, instrumented
+from poise.comm.probe import BucketProbe, instrumented
 from poise.diagnostics.timeline import FIELDS, StepRecord, Timeline
 from poise.runtime.dist import DistContext, check_config_agreement
 from tests.harness import run_ranks
@@ -46,7 +46,7 @@ def _hooked_grads(rank: int, world_size: int) -> dict:
             nn.functional.mse_loss(ddp(x), y).backward()
         out[name] = [p.grad.clone() for p in ddp.parameters()]
         out[f"{name}_buckets"] = probe.buckets_this_step
-        out[f"{name}_ready"] = probe.last_ready_s
+        out[f"{name}_ready"] = probe.last_ready
         out[f"{name}_in_flight"] = list(probe.in_flight)
     # the local (un-averaged) gradient, to check the all-reduce really averaged
     local = _model()

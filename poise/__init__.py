@@ -1,10 +1,19 @@
 """poise: balanced, communication-efficient distributed training on torch.distributed.
 
-The public API lives in the subpackages: ``poise.balance`` (samplers, planner, the balance
-metric) and ``poise.comm`` (DDP communication hooks). See the README for the command line.
+In your own training script, :class:`Session` is the whole API: it wraps your model in DDP
+with poise's gradient codec and timing probe, gives your DataLoader a balanced batch sampler,
+weights each step's loss so unequal batches give the exact gradient, measures every rank,
+re-plans from measured speeds, and writes report.json, timeline.png and trace.json.
+Adapters: ``poise.integrations.lightning`` and ``poise.integrations.accelerate``.
+
+The pieces are public too: ``poise.balance`` (samplers, planner, the balance metric, stage
+partitioning), ``poise.comm`` (codecs and DDP communication hooks) and ``poise.config`` (every
+setting, typed and validated). The command line (``poise train``, ``poise bench``, ...) is
+built on the same API.
 """
 
-from poise.config import RunConfig
+from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, RunConfig
+from poise.session import Session, Step
 
-__all__ = ["RunConfig"]
+__all__ = ["BalanceConfig", "CommConfig", "DiagnosticsConfig", "RunConfig", "Session", "Step"]
 __version__ = "0.1.0"

@@ -1,11 +1,12 @@
-"""Who gets which work: cost functions, the shard planner, samplers, re-planning, pipeline stage
-partitioning and layer profiling, the balance metric."""
+"""Who gets which work: cost functions, the shard planner, samplers, re-planning, exact loss
+weights for unequal batches, pipeline stage partitioning and layer profiling, the balance metric."""
 
-from poise.balance.costs import AttentionCost, linear_cost
+from poise.balance.costs import AttentionCost, as_cost_fn, linear_cost
 from poise.balance.metrics import balance, idle_fraction
 from poise.balance.partition import PlanSummary, describe_plan, partition, recommend, stage_times
 from poise.balance.rebalance import DynamicPartitioner
-from poise.balance.sampler import BalancedBatchSampler, StaticSchedule
+from poise.balance.sampler import BalancedBatchSampler, StaticSchedule, make_sampler
+from poise.balance.weights import loss_weight
 
 __all__ = [
     "AttentionCost",
@@ -13,10 +14,13 @@ __all__ = [
     "DynamicPartitioner",
     "PlanSummary",
     "StaticSchedule",
+    "as_cost_fn",
     "balance",
     "describe_plan",
     "idle_fraction",
     "linear_cost",
+    "loss_weight",
+    "make_sampler",
     "partition",
     "recommend",
     "stage_times",

@@ -7,6 +7,16 @@ runtime uses: ``global_batches(step)``, every rank's indices for a step. Each ra
 compute it without communicating, which is how a rank knows its share of the step's loss
 terms (for exact gradient weighting) and how all ranks agree on the number of steps.
 
+A DataLoader takes batches from its sampler ahead of the loop (``num_workers`` > 0 prefetches
+several), so the sampler's ``position`` runs ahead of the step being trained. Each sampler
+therefore keeps ``handed``: the ``(epoch, step, time)`` of every batch it gave out and nobody has
+claimed yet, in order. :class:`poise.Session` claims one per training step, which is how it
+knows which step of the plan the batch in hand belongs to.
+
+``set_epoch(e)`` right after ``load_state_dict`` of a state saved inside epoch ``e`` keeps the
+loaded position, so the usual ``for epoch in range(start, epochs): sampler.set_epoch(epoch)``
+loop resumes mid-epoch instead of starting the epoch over.
+
 - :class:`StaticSchedule`: torch's ``DistributedSampler`` (equal sample counts, shuffled by
   seed and epoch, ``drop_last``) cut into fixed-size batches, or into per-rank token budgets
   where the shortest rank sets the epoch's step count. The baseline.
@@ -22,14 +32,16 @@ had not reached yet (:meth:`remaining_samples`) and plans only those over the ne
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-from poise.balance.costs import AttentionCost, CostFn
+from poise.balance.costs import AttentionCost, CostFn, as_cost_fn
 from poise.balance.sharding import plan_epoch, take_step
 
 # cost(L) = L + α·L² with α ≈ 1/(6·d_model): a prior for small transformers; pass your own.
@@ -40,8 +52,12 @@ class _EpochSampler(ABC):
     """What both samplers share: an epoch of planned steps and this rank's position in it."""
 
     rank: int
+    epoch: int
     position: int
     _steps: Sequence[Any]
+    # (epoch, step, perf_counter seconds when handed) of batches given out and not yet claimed, oldest first
+    handed: deque[tuple[int, int, float]]
+    _keep_epoch: int | None = None  # set by load_state_dict: the next set_epoch(that epoch) keeps the position
 
     def __len__(self) -> int:
         """Steps in the current epoch (the same on every rank)."""
@@ -57,10 +73,34 @@ class _EpochSampler(ABC):
 
     def __iter__(self) -> Iterator[list[int]]:
         """This rank's batches from the current position to the end of the epoch."""
+        self.handed.clear()  # a new pass: batches prefetched by an abandoned one never reach the loop
         while self.position < len(self):
-            batch = self.global_batches(self.position)[self.rank]
+            step = self.position
+            batch = self.global_batches(step)[self.rank]
             self.position += 1
+            self.handed.append((self.epoch, step, time.perf_counter()))
             yield batch.tolist()
+
+    def steps_in_epochs(self, num_epochs: int) -> int:
+        """Steps of epochs ``0 .. num_epochs - 1`` as planned now (a re-fitted cost function can
+        change later epochs a little); plans each of them, so call it before training: it
+        leaves the sampler at the start of epoch 0."""
+        total = 0
+        for epoch in range(num_epochs):
+            self.set_epoch(epoch)
+            total += len(self)
+        self.set_epoch(0)
+        return total
+
+    def _begin_epoch(self, epoch: int, remaining: np.ndarray | None) -> bool:
+        """Common start of ``set_epoch``; False when the position loaded for ``epoch`` is kept."""
+        if remaining is None and self._keep_epoch is not None and epoch == self._keep_epoch:
+            self._keep_epoch = None
+            return False
+        self._keep_epoch = None
+        self.epoch, self.position = epoch, 0
+        self.handed = deque()
+        return True
 
 
 class StaticSchedule(_EpochSampler):
@@ -155,7 +195,8 @@ class StaticSchedule(_EpochSampler):
         With ``remaining``, plan only those samples (the rest of an epoch resumed on another
         number of ranks) and drop none of them.
         """
-        self.epoch, self.position = epoch, 0
+        if not self._begin_epoch(epoch, remaining):
+            return
         self.remaining = None if remaining is None else np.asarray(remaining, dtype=np.int64)
         if self.remaining is not None:
             self._steps = self._deal(self.remaining)
@@ -172,21 +213,26 @@ class StaticSchedule(_EpochSampler):
         rest = [b for step in self._steps[self.position :] for b in step]
         return np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "world_size": self.world_size,
+    def state_dict(self, position: int | None = None) -> dict[str, Any]:
+        """Where the epoch stands; ``position``: the step to resume at (default: the next one
+        not handed out; a loop that has not trained on every handed batch passes its own)."""
+        position = self.position if position is None else position
+        return {"epoch": self.epoch, "position": position, "world_size": self.world_size,
                 "remaining": None if self.remaining is None else self.remaining.tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` stopped; on another number of ranks, re-plan the epoch's rest."""
+        self._keep_epoch = None
         saved_world = int(state.get("world_size", self.world_size))
         if saved_world != self.world_size:
             saved = StaticSchedule(self.lengths, rank=0, world_size=saved_world, seed=self.seed,
                                    batch_size=self.batch_size, batch_tokens=self.batch_tokens)
             saved.load_state_dict(state)
             self.set_epoch(saved.epoch, remaining=saved.remaining_samples())
-            return
-        self.set_epoch(int(state["epoch"]), state.get("remaining"))
-        self.position = int(state["position"])
+        else:
+            self.set_epoch(int(state["epoch"]), state.get("remaining"))
+            self.position = int(state["position"])
+        self._keep_epoch = self.epoch
 
 
 class BalancedBatchSampler(_EpochSampler):
@@ -200,7 +246,8 @@ class BalancedBatchSampler(_EpochSampler):
         lengths: tokens per sample (metadata; samples are never loaded to be costed).
         rank, world_size: this rank and the number of ranks.
         batch_cost: cost budget of one step summed over all ranks, in cost units.
-        cost_fn: length -> cost units (default ``L + DEFAULT_ALPHA·L²``).
+        cost_fn: length -> cost units (default ``L + DEFAULT_ALPHA·L²``): a function of one
+            length (``lambda L: float(L)``) or of an array of them.
         speeds: relative speed per rank (default all equal); only ratios matter.
         seed: shuffling seed, shared by all ranks.
         drop_last: drop steps under half the budget (the partial steps at bucket ends).
@@ -233,7 +280,7 @@ class BalancedBatchSampler(_EpochSampler):
         self.lengths = np.asarray(lengths)
         self.rank, self.world_size = rank, world_size
         self.batch_cost = float(batch_cost)
-        self.cost_fn: CostFn = cost_fn or AttentionCost(DEFAULT_ALPHA)
+        self.cost_fn: CostFn = as_cost_fn(cost_fn) if cost_fn is not None else AttentionCost(DEFAULT_ALPHA)
         self.seed, self.drop_last, self.bucket_steps = seed, drop_last, bucket_steps
         self.speeds = np.ones(world_size)
         if speeds is not None:
@@ -247,7 +294,8 @@ class BalancedBatchSampler(_EpochSampler):
         With ``remaining``, plan only those samples (the rest of an epoch resumed on another
         number of ranks).
         """
-        self.epoch, self.position = epoch, 0
+        if not self._begin_epoch(epoch, remaining):
+            return
         self.remaining = None if remaining is None else np.asarray(remaining, dtype=np.int64)
         # Steps are grouped with the cost function of the epoch's start, so a cost refit
         # mid-epoch changes how steps are split, never which samples the epoch still holds.
@@ -267,7 +315,7 @@ class BalancedBatchSampler(_EpochSampler):
 
     def set_cost_fn(self, cost_fn: CostFn) -> None:
         """A new cost function: used to split the next step, and to group steps from the next epoch."""
-        self.cost_fn = cost_fn
+        self.cost_fn = as_cost_fn(cost_fn)
 
     def set_speeds(self, speeds: Sequence[float] | np.ndarray) -> None:
         """New relative speeds per rank (every rank must set the same ones)."""
@@ -288,11 +336,17 @@ class BalancedBatchSampler(_EpochSampler):
             self._splits[step] = take_step(self._plan, self.lengths, self.cost_fn, self.speeds).batches
         return self._splits[step]
 
-    def state_dict(self) -> dict[str, Any]:
-        """Position and speeds: enough to continue the epoch exactly where it stopped."""
+    def state_dict(self, position: int | None = None) -> dict[str, Any]:
+        """Position and speeds: enough to continue the epoch exactly where it stopped.
+
+        ``position``: the step to resume at (default: the next one not handed out). Steps from
+        there that were already handed out keep the split they were given (``settled``).
+        """
+        position = self.position if position is None else position
         return {
             "epoch": self.epoch,
-            "position": self.position,
+            "position": position,
+            "settled": {str(j): [b.tolist() for b in self._splits[j]] for j in range(position, self.position)},
             "speeds": self.speeds.tolist(),
             # alphas of AttentionCost; a custom cost_fn must be passed again when loading
             "alpha": getattr(self.cost_fn, "alpha", None),
@@ -313,6 +367,7 @@ class BalancedBatchSampler(_EpochSampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` stopped; on another number of ranks, re-plan the epoch's rest
         (with equal speeds: the saved ones belong to ranks that are gone)."""
+        self._keep_epoch = None
         saved_world = int(state.get("world_size", self.world_size))
         if saved_world != self.world_size:
             saved = BalancedBatchSampler(
@@ -322,6 +377,7 @@ class BalancedBatchSampler(_EpochSampler):
             saved.load_state_dict(state)
             self.cost_fn = saved.cost_fn
             self.set_epoch(saved.epoch, remaining=saved.remaining_samples())
+            self._keep_epoch = self.epoch
             return
         if state.get("epoch_alpha") is not None:
             self.cost_fn = AttentionCost(float(state["epoch_alpha"]))
@@ -332,3 +388,54 @@ class BalancedBatchSampler(_EpochSampler):
         self._plan.bounds = np.asarray(state["bounds"], dtype=np.int64)
         self._plan.taken = int(state["taken"])
         self.position = int(state["position"])
+        for j, batches in (state.get("settled") or {}).items():
+            self._splits[int(j)] = [np.asarray(b, dtype=np.int64) for b in batches]
+        self._keep_epoch = self.epoch
+
+
+def make_sampler(
+    strategy: str,
+    lengths: Sequence[int] | np.ndarray,
+    *,
+    rank: int,
+    world_size: int,
+    cost_fn: CostFn | None = None,
+    seed: int = 0,
+    batch_size: int | None = None,
+    batch_tokens: int | None = None,
+    batch_cost: float | None = None,
+    bucket_steps: int = 50,
+) -> StaticSchedule | BalancedBatchSampler:
+    """The batch sampler of a balance ``strategy``: ``static`` is torch's DistributedSampler cut
+    into batches; ``cost`` and ``dynamic`` plan steps of a cost budget split by cost / speed.
+
+    Give exactly one budget: ``batch_size`` (samples per rank; for cost and dynamic, that many
+    samples of average cost per rank), ``batch_tokens`` (padded tokens per rank; for cost and
+    dynamic, that many tokens of the longest samples) or ``batch_cost`` (cost units per step
+    over all ranks; cost and dynamic only).
+
+    Raises:
+        ValueError: for an unknown strategy or not exactly one budget.
+    """
+    given = [name for name, v in (("batch_size", batch_size), ("batch_tokens", batch_tokens),
+                                  ("batch_cost", batch_cost)) if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of batch_size, batch_tokens, batch_cost (got {', '.join(given) or 'none'})")
+    lengths = np.asarray(lengths)
+    if strategy == "static":
+        if batch_cost is not None:
+            raise ValueError("balance 'static' takes batch_size or batch_tokens: batch_cost needs 'cost' or 'dynamic'")
+        return StaticSchedule(lengths, rank=rank, world_size=world_size, seed=seed, batch_size=batch_size,
+                              batch_tokens=batch_tokens)
+    if strategy not in ("cost", "dynamic"):
+        raise ValueError(f"balance strategy {strategy!r} is unknown: allowed are static, cost, dynamic")
+    cost = as_cost_fn(cost_fn) if cost_fn is not None else AttentionCost(DEFAULT_ALPHA)
+    if batch_cost is None:
+        if batch_tokens is not None:
+            longest = float(np.max(lengths))
+            batch_cost = world_size * batch_tokens / longest * float(cost(np.array([longest]))[0])
+        else:
+            assert batch_size is not None
+            batch_cost = world_size * batch_size * float(cost(lengths).mean())
+    return BalancedBatchSampler(lengths, rank=rank, world_size=world_size, batch_cost=batch_cost, cost_fn=cost,
+                                seed=seed, bucket_steps=bucket_steps)

@@ -5,11 +5,13 @@ A state has three parts, by who owns them:
 - ``tensors``: the model's and the optimizer's tensors (the same on every rank under DDP;
   rank 0 writes them), keyed ``model/<name>`` and ``optim/<param index>/<key>``;
 - ``shared``: plain values every rank shares: step, scheduler, optimizer hyper-parameters,
-  the data schedule's position and plan, the re-planner's shares;
-- ``per_rank``: what differs per rank: RNG states (torch, CUDA, numpy, python), the comm
-  hook's state (error-feedback residuals, step count), the re-planner's window of this
-  rank's measurements, and, for a checkpoint inside a gradient-accumulation window, this
-  rank's gradients summed so far (not yet reduced: they differ per rank).
+  and the session's shared part (the data schedule's position and plan, the re-planner's
+  shares);
+- ``per_rank``: what differs per rank: RNG states (torch, CUDA, numpy, python), the session's
+  per-rank part (:data:`poise.session.RANK_KEYS`: the comm hook's state with its
+  error-feedback residuals, the re-planner's window of this rank's measurements), and, for a
+  checkpoint inside a gradient-accumulation window, this rank's gradients summed so far
+  (not yet reduced: they differ per rank).
 
 :func:`fit_problems` compares a saved state with the run about to use it (config settings
 that shape the model, optimizer and data; parameter names and shapes) before anything is
@@ -28,7 +30,7 @@ from torch import nn
 
 from poise import config as config_mod
 from poise.config import RunConfig
-from poise.runtime.data import DataPlan
+from poise.session import RANK_KEYS, Session
 
 # Settings a checkpoint does not fix: where and how long the run goes, how it is launched,
 # measured, checkpointed and failed on purpose. Everything else must match to resume.
@@ -120,8 +122,7 @@ def capture(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    data: DataPlan,
-    comm_state: Any,
+    session: Session,
     world_size: int,
     in_window: bool = False,
 ) -> TrainingState:
@@ -139,20 +140,17 @@ def capture(
                 tensors[f"optim/{index}/{key}"] = value
             else:
                 optim_scalars[f"{index}/{key}"] = value
-    data_state = data.state_dict()
-    window = None
-    if data_state["partitioner"] is not None:
-        window = data_state["partitioner"].pop("window")
+    session_state = session.state_dict()
     shared = {
         "step": step,
         "world_size": world_size,
         "scheduler": scheduler.state_dict(),
         "optim_groups": optim["param_groups"],
         "optim_scalars": optim_scalars,
-        "data": data_state,
+        "session": {k: v for k, v in session_state.items() if k not in RANK_KEYS},
     }
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None} if in_window else {}
-    per_rank = {"step": step, "rng": rng_state(), "comm": comm_state.state_dict(), "window": window,
+    per_rank = {"step": step, "rng": rng_state(), "session": {k: session_state[k] for k in RANK_KEYS},
                 "grads": grads or None}
     shared["in_window"] = bool(grads)
     return TrainingState(tensors, shared, per_rank)
@@ -164,8 +162,7 @@ def restore(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    data: DataPlan,
-    comm_state: Any,
+    session: Session,
 ) -> None:
     """Put ``state`` into the live objects. ``state.per_rank`` is empty when the run resumes on
     another number of ranks: then RNGs, comm state and speed windows start fresh."""
@@ -181,10 +178,10 @@ def restore(
         per_param.setdefault(int(index), {})[name] = value
     optimizer.load_state_dict({"state": per_param, "param_groups": state.shared["optim_groups"]})
     scheduler.load_state_dict(state.shared["scheduler"])
-    data.load_state_dict(state.shared["data"], state.per_rank or None)
+    mine = state.per_rank["session"] if state.per_rank else {"rank": -1, "window": None, "comm": None}
+    session.load_state_dict({**state.shared["session"], **mine})
     if state.per_rank:
         set_rng_state(state.per_rank["rng"])
-        comm_state.load_state_dict(state.per_rank["comm"])
     if state.grads:
         params = dict(model.named_parameters())
         for name, grad in state.grads.items():

@@ -2,9 +2,10 @@
 
 ``poise train`` starts this module through torch's elastic launcher; users can start it
 with a plain ``torchrun`` just as well. It reads the resolved config, joins the process
-group, builds the task, the DDP model (with the timing probe on its communication hook),
-the data schedule and the optimizer, runs the steps, evaluates, and rank 0 writes
-``report.json``, ``trace.json`` and ``timeline.png`` into the config's ``out_dir``.
+group, builds the task, its sampler, model and optimizer, and then trains exactly as a
+user's own script does: through :class:`poise.Session` (the DDP model with the codec hook
+and the timing probe, exact loss weights, measurements, re-planning, state and outputs).
+Rank 0 writes ``report.json``, ``trace.json`` and ``timeline.png`` into the config's ``out_dir``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +20,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from poise import checkpoint, optim
 from poise import config as config_mod
-from poise.comm import hooks as comm_hooks
-from poise.comm.probe import BucketProbe, instrumented
 from poise.config import RunConfig
-from poise.diagnostics import report as report_mod
-from poise.diagnostics.timeline import Timeline, write_chrome_trace
-from poise.files import write_json_atomic
 from poise.log import step_progress
 from poise.runtime import dist as rdist
 from poise.runtime import entry
-from poise.runtime.data import build_data_plan, loss_scale
+from poise.runtime.data import build_sampler
 from poise.runtime.evaluate import evaluate
 from poise.runtime.faults import FaultPlan, restart_count
 from poise.runtime.samples import SampleLog
-from poise.runtime.slowdown import Slowdown, apply_slowdown
-from poise.runtime.step import train_step
+from poise.session import Session
 from poise.tasks.base import Task
 from poise.tasks.registry import build_task
 
@@ -96,33 +90,6 @@ def lr_schedule(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def wrap_model(
-    config: RunConfig, task: Task, ctx: rdist.DistContext, slowdown: Slowdown, compression_start: int
-) -> tuple[DistributedDataParallel, BucketProbe, Any]:
-    """The task's model in DDP, with the configured comm hook behind the timing probe; the
-    hook compresses from step ``compression_start`` on.
-
-    Returns ``(ddp, probe, comm_state)``; the comm state counts bytes and codec seconds.
-    """
-    torch.manual_seed(config.train.seed)  # the same initial weights everywhere (DDP also broadcasts them)
-    model = task.build_model().to(ctx.device)
-    freeze(model, config.train.frozen_prefixes())
-    comm_hooks.check_backend(config.comm, ctx.backend)
-    bucket_cap_mb = config.comm.bucket_mb
-    if comm_hooks.requires_single_bucket(config.comm):
-        bucket_cap_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
-        log.info("comm.codec=%r needs a single bucket on gloo: bucket size %.1f MB instead of comm.bucket_mb",
-                 config.comm.codec, bucket_cap_mb)
-    ddp = DistributedDataParallel(
-        model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb
-    )
-    probe = BucketProbe()  # host clock: this step times with perf_counter
-    hook, comm_state = comm_hooks.build(config.comm, start_step=compression_start)
-    # order matters: the emulated slowness must happen before the probe reads the clock
-    ddp.register_comm_hook(comm_state, slowdown.wrap_hook(instrumented(hook, probe)))
-    return ddp, probe, comm_state
-
-
 def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> None:
     """Keep the parameters whose names start with one of ``prefixes`` fixed (fine-tuning).
 
@@ -165,24 +132,49 @@ def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int) -> tup
     return answer[0]
 
 
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip_norm: float, step: int) -> bool:
+    """Clip the gradient norm, step the optimizer and the schedule; True when skipped.
+
+    The total norm is needed anyway for clipping; it also tells whether the reduced gradient
+    is finite. A NaN/Inf that a codec let through (``comm.on_nonfinite='skip'``) skips the
+    optimizer on every rank alike, since every rank holds the same reduced gradient.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm if grad_clip_norm > 0 else math.inf)
+    skipped = not math.isfinite(float(norm))
+    if skipped:
+        log.warning("step %d: gradient norm is %s: optimizer step skipped", step, float(norm))
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return skipped
+
+
 def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
-    """Run the configured job on this rank; rank 0 writes the outputs and returns the report."""
-    started = time.perf_counter()
+    """Run the configured job on this rank through :class:`poise.Session`, as a user's script
+    would; rank 0 writes the outputs and returns the report."""
     threads = rdist.threads_for(config, ctx.local_world_size)
     torch.set_num_threads(threads)
     seed_everything(config.train.seed, ctx.rank)
     task = build_task_once_per_node(config, ctx)
     tc = config.train
-    slowdown = apply_slowdown(ctx.rank, config.balance.rank_speeds(), config.balance.slowdown_method, threads)
-    data = build_data_plan(config, task, ctx)
-    total_steps = data.total_steps()
-    optimizer_steps = math.ceil(total_steps / tc.accum_steps)
-    compression_start = config.comm.compression_start(optimizer_steps, lr_warmup(tc.warmup_steps, optimizer_steps))
-    ddp, probe, comm_state = wrap_model(config, task, ctx, slowdown, compression_start)
+    sampler = build_sampler(config, task, ctx.rank, ctx.world_size)
+    # The sampler's steps are micro-batches: an optimizer step takes accum_steps of them.
+    total_micro = (config.total_steps * tc.accum_steps if config.total_steps is not None
+                   else sampler.steps_in_epochs(tc.epochs or 0))
+    optimizer_steps = math.ceil(total_micro / tc.accum_steps)
+    warmup = lr_warmup(tc.warmup_steps, optimizer_steps)
+    torch.manual_seed(tc.seed)  # the same initial weights everywhere (DDP also broadcasts them)
+    model = task.build_model().to(ctx.device)
+    freeze(model, tc.frozen_prefixes())
+    session = Session(model, sampler=sampler, loss_terms=task.train_targets, balance=config.balance,
+                      comm=config.comm, diagnostics=config.diagnostics, out_dir=config.out_dir,
+                      accum_steps=tc.accum_steps, total_steps=optimizer_steps, lr_warmup_steps=warmup)
+    ddp = session.model
     trainable = [p for p in ddp.parameters() if p.requires_grad]
-    optimizer = make_optimizer(trainable, config, task, compression_start)
+    optimizer = make_optimizer(trainable, config, task, session.compression_start)
     scheduler = lr_schedule(optimizer, tc.warmup_steps, optimizer_steps)
-    timeline = Timeline(ctx.rank, ctx.world_size, config.diagnostics.gather_every_steps, ctx.device)
     faults = FaultPlan.from_config(config.faults)
     attempt = restart_count()
     start_step, resumed_from = 0, None
@@ -194,11 +186,10 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
             with torch.random.fork_rng(devices=[]):  # leave every RNG as the checkpoint will set it
                 task.train_loss(ddp, task.collate([task.train_set[0]]).to(ctx.device)).backward()
 
-        comm_hooks.settle_buckets(ddp, comm_state, throwaway_step)
+        session.settle_buckets(throwaway_step)
         state = checkpoint.load(config, resumed_from, manifest, rank=ctx.rank, world_size=ctx.world_size,
                                 model=ddp.module)
-        checkpoint.restore(state, model=ddp.module, optimizer=optimizer, scheduler=scheduler, data=data,
-                           comm_state=comm_state)
+        checkpoint.restore(state, model=ddp.module, optimizer=optimizer, scheduler=scheduler, session=session)
         start_step = int(state.shared["step"])
         log.info("resumed from %s at step %d (launcher attempt %d)", resumed_from, start_step, attempt)
     saver = None
@@ -210,54 +201,63 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     def save(steps_done: int) -> None:
         assert saver is not None
         saver.save(checkpoint.capture(step=steps_done, model=ddp.module, optimizer=optimizer, scheduler=scheduler,
-                                      data=data, comm_state=comm_state, world_size=ctx.world_size,
+                                      session=session, world_size=ctx.world_size,
                                       in_window=steps_done % tc.accum_steps != 0))
     log.info(
         "training %s: %d params, %d train samples, %d steps, balance %s, codec %s",
-        task.name, sum(p.numel() for p in ddp.parameters()), len(task.train_lengths), total_steps,
+        task.name, sum(p.numel() for p in ddp.parameters()), len(task.train_lengths), total_micro,
         config.balance.strategy, config.comm.codec,
     )
 
+    loader = DataLoader(task.train_set, batch_sampler=session.sampler, collate_fn=task.collate)
     steps_done = start_step
     last_saved = start_step if resumed_from else None
-    with step_progress(config.diagnostics.progress and ctx.is_main, total_steps) as progress:
-        for step, batches in enumerate(data.steps(start_step), start=start_step):
-            faults.check(ctx.rank, step)
-            mine = batches[ctx.rank]
-            if samples is not None:
-                samples.write(step, data.schedule.epoch, mine)
-            rec = train_step(
-                step=step, model=ddp, task=task, indices=mine,
-                loss_scale=loss_scale(batches, ctx.rank, task.train_targets), optimizer=optimizer,
-                scheduler=scheduler, probe=probe, comm_state=comm_state, slowdown=slowdown,
-                grad_clip_norm=tc.grad_clip_norm, device=ctx.device, accum_steps=tc.accum_steps,
-                last_micro=(step + 1) % tc.accum_steps == 0 or step + 1 == total_steps,
-            )
-            if not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
-                raise FloatingPointError(
-                    f"training loss is {rec.loss} at step {step} on rank {ctx.rank} "
-                    "(comm.on_nonfinite='skip' skips such steps instead)"
-                )
-            timeline.record(rec)
-            if data.partitioner is not None:
-                data.partitioner.observe(task.train_lengths[mine], rec.compute_s)
-                if step + 1 < total_steps and data.partitioner.due(step + 1):
-                    data.partitioner.replan(step + 1)
-            rate = rec.samples / rec.step_s if rec.step_s > 0 else 0.0
-            progress.update(step, f"loss {rec.loss:.3f}  {rate * ctx.world_size:.0f} samples/s")
-            if ctx.is_main and (step + 1) % config.diagnostics.log_every_steps == 0:
-                log.info("step %d/%d loss %.4f step %.0f ms", step + 1, total_steps, rec.loss, rec.step_s * 1e3)
-            steps_done = step + 1
-            if saver is not None and saver.due(steps_done):
-                save(steps_done)
-                last_saved = steps_done
+    epoch = session.sampler.epoch
+
+    def run_ends_after_this_batch() -> bool:
+        if tc.epochs is None:
+            return steps_done + 1 == total_micro
+        # the DataLoader takes one batch at a time here (no workers): position is this batch's + 1
+        return epoch + 1 == tc.epochs and session.sampler.position == len(session.sampler)
+
+    with step_progress(config.diagnostics.progress and ctx.is_main, total_micro) as progress:
+        # epochs: every epoch to its end (after an elastic resume, the step count is another one)
+        while epoch < tc.epochs if tc.epochs is not None else steps_done < total_micro:
+            session.sampler.set_epoch(epoch)  # keeps a resumed epoch's position
+            for batch in loader:
+                faults.check(ctx.rank, steps_done)
+                last = run_ends_after_this_batch()
+                with session.step(sync=True if last else None) as step:
+                    if samples is not None:
+                        samples.write(step.index, step.epoch, step.indices)
+                    step.backward(task.train_loss(ddp, batch.to(ctx.device)))
+                    if step.sync:
+                        step.skipped = clip_and_step(ddp, optimizer, scheduler, tc.grad_clip_norm, step.index)
+                rec = session.last_record  # on CUDA, the step before (its events are read a step late)
+                if rec is not None:
+                    if not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
+                        raise FloatingPointError(
+                            f"training loss is {rec.loss} at step {rec.step} on rank {ctx.rank} "
+                            "(comm.on_nonfinite='skip' skips such steps instead)"
+                        )
+                    rate = rec.samples / rec.step_s if rec.step_s > 0 else 0.0
+                    progress.update(rec.step, f"loss {rec.loss:.3f}  {rate * ctx.world_size:.0f} samples/s")
+                    if ctx.is_main and (rec.step + 1) % config.diagnostics.log_every_steps == 0:
+                        log.info("step %d/%d loss %.4f step %.0f ms", rec.step + 1, total_micro, rec.loss,
+                                 rec.step_s * 1e3)
+                steps_done += 1
+                if saver is not None and saver.due(steps_done):
+                    save(steps_done)
+                    last_saved = steps_done
+                if tc.epochs is None and steps_done >= total_micro:
+                    break
+            epoch += 1
     if saver is not None:
         if last_saved != steps_done:
             save(steps_done)  # the end of the run is always saved
         saver.wait()
     if samples is not None:
         samples.close()
-    timeline.flush()
 
     if config.comm.local_first:
         # the ranks' weights differ by their unsent residuals: evaluate the weights rank 0 saved
@@ -265,47 +265,25 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
             dist.broadcast(tensor, src=0)
     result = evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples,
                       batch_size=tc.batch_size or task.default_batch_size)
-    slowdowns: list[dict] = [{}] * ctx.world_size  # emulated heterogeneity of every rank
-    dist.all_gather_object(slowdowns, {"speed": slowdown.speed, "method": slowdown.method})
-    if not ctx.is_main:
-        return None
-    table = timeline.table()
-    report = {
+    report = session.finish({
         "task": task.name,
-        "world_size": ctx.world_size,
-        "backend": ctx.backend,
-        "wall_s": time.perf_counter() - started,
-        **report_mod.summarize(table, loss_scale=task.loss_in_unit(1.0)),
         "loss_unit": result.unit,
         "eval_loss": result.loss,
         "eval_accuracy": result.accuracy,
         "eval_count": result.count,
-        "balance_strategy": config.balance.strategy,
-        "codec": config.comm.codec,
-        "compression_start_step": compression_start,  # optimizer steps sent uncompressed first
         "variance_frozen_after": optimizer.param_groups[0]["freeze_after"],  # optimizer steps; None: never
-        "replans": [e.__dict__ for e in data.partitioner.history] if data.partitioner else [],
-        "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed
         "restarts": attempt,
         "resumed_from": resumed_from,
         "first_step": start_step,
         "checkpoints": saver.report() if saver is not None else None,
         "config": config_mod.to_dict(config),
-    }
-    write_outputs(Path(config.out_dir), report, table, plot=config.diagnostics.plot)
-    log.info(
-        "done: eval loss %.4f %s, accuracy %.2f%%, %.1f samples/s, balance %.3f",
-        result.loss, result.unit, 100 * result.accuracy, report["throughput_samples_per_s"], report["balance"],
-    )
+    }, loss_scale=task.loss_in_unit(1.0))
+    if report is not None:
+        log.info(
+            "done: eval loss %.4f %s, accuracy %.2f%%, %.1f samples/s, balance %.3f",
+            result.loss, result.unit, 100 * result.accuracy, report["throughput_samples_per_s"], report["balance"],
+        )
     return report
-
-
-def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> None:
-    """Rank 0: report.json, trace.json and (optionally) timeline.png from the gathered ``table``."""
-    write_json_atomic(out / "report.json", report)
-    write_chrome_trace(table, out / "trace.json")
-    if plot:
-        report_mod.plot_timeline(table, out / "timeline.png")
 
 
 @record

@@ -12,7 +12,7 @@ from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.sampler import BalancedBatchSampler
 from poise.comm import hooks as comm_hooks
 from poise.config import CommConfig
-from poise.runtime.data import loss_scale
+from poise.balance.weights import loss_weight as loss_scale
 from poise.tasks.code_lm import ByteTransformer, code_lm_loss, collate_bytes
 from tests.harness import run_ranks
 

@@ -1,0 +1,568 @@
+"""poise in your own training loop: :class:`Session`, between your loop and torch.distributed.
+
+You keep your model, optimizer, dataset, loss and loop. A session, made once the process
+group is up, gives you:
+
+- ``session.model``: your model in DDP (or your DDP model), with poise's gradient codec
+  registered as its comm hook behind the timing probe;
+- ``session.sampler``: the batch sampler for your DataLoader (static, cost-balanced, or
+  dynamically re-balanced from measured speeds);
+- ``session.step()``: a context per step that weights your loss so that DDP's average is
+  the exact gradient of the whole step's batch however unequal the ranks' batches are,
+  measures this rank's data / compute / communication / idle / optimizer seconds, and feeds
+  the re-planner;
+- ``state_dict()`` / ``load_state_dict()``: all of poise's state, for your checkpoints;
+- ``finish()``: ``report.json``, ``timeline.png`` and ``trace.json`` in ``out_dir``.
+
+Example (under ``torchrun --nproc-per-node 2``)::
+
+    dist.init_process_group("gloo")
+    session = poise.Session(model, lengths=lengths, batch_size=16, balance="dynamic",
+                            comm="topk", out_dir="runs/mine")
+    loader = DataLoader(dataset, batch_sampler=session.sampler, collate_fn=collate)
+    for epoch in range(epochs):
+        session.sampler.set_epoch(epoch)
+        for x, y in loader:
+            with session.step() as step:
+                step.backward(loss_fn(session.model(x), y))   # your loss: a mean over the batch
+                optimizer.step()
+                optimizer.zero_grad()
+    session.finish()
+
+``poise train`` runs its built-in tasks through this same class (``poise/runtime/worker.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from poise.balance.costs import AttentionCost, CostFn, as_cost_fn, linear_cost
+from poise.balance.rebalance import DynamicPartitioner
+from poise.balance.sampler import DEFAULT_ALPHA, BalancedBatchSampler, StaticSchedule, make_sampler
+from poise.balance.weights import loss_weight
+from poise.comm import hooks as comm_hooks
+from poise.comm.probe import BucketProbe, comm_overlap, instrumented
+from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig
+from poise.diagnostics import report as report_mod
+from poise.diagnostics.clock import HostClock, clock_for
+from poise.diagnostics.timeline import StepRecord, Timeline, write_chrome_trace
+from poise.files import write_json_atomic
+from poise.runtime.slowdown import apply_slowdown
+
+log = logging.getLogger(__name__)
+
+Sampler = StaticSchedule | BalancedBatchSampler
+# The entries of Session.state_dict() that belong to one rank; the rest every rank shares.
+RANK_KEYS = ("rank", "window", "comm")
+
+
+class Session:
+    """poise attached to one rank of a user's own data-parallel training loop (see module doc).
+
+    Every rank makes one, with the same arguments, after ``init_process_group``.
+
+    Args:
+        model: the model, a plain module (wrapped here in DDP) or a DDP model (no comm hook yet).
+        lengths: per-sample size in tokens (metadata, one per dataset sample): what a sample
+            costs to train on is ``cost_fn(length)``. None: every sample costs the same.
+        costs: instead of ``lengths``, per-sample cost in any unit, used as it is.
+        sampler: instead of ``lengths`` and a batch budget, a sampler of your own making
+            (``poise.balance.make_sampler``, ``BalancedBatchSampler``, ``StaticSchedule``) for
+            this rank; ``balance`` then only says whether to re-plan (``dynamic``).
+        loss_terms: per-sample count of what your loss averages over (tokens predicted, or 1
+            per sample, the default). The loss weight of :meth:`step` needs it to be exact.
+        dataset: your dataset, only to check that ``lengths`` has one entry per sample.
+        batch_size: samples per rank per step (static), or the step's budget as that many
+            samples of average cost per rank (cost, dynamic).
+        batch_tokens: instead, padded tokens per rank per step.
+        batch_cost: instead, cost units per step over all ranks together (cost, dynamic).
+        balance: ``static`` | ``cost`` | ``dynamic``, or a :class:`~poise.config.BalanceConfig`.
+            With ``rank_speed`` in it (``"1:0.5"``), that rank is slowed to emulate a slower
+            device (an emulation, for trying balancing on one machine).
+        comm: a codec name (``none``, ``fp16``, ``topk``, ``powersgd``, ...) or a
+            :class:`~poise.config.CommConfig` (codec, error feedback, collective, buckets).
+        diagnostics: how often figures are gathered to rank 0 (a ``DiagnosticsConfig``).
+        out_dir: where :meth:`finish` writes (None: nothing is written, the report is returned).
+        cost_fn: length -> cost units (a function of one number or of an array); default
+            ``L + α·L²`` with the config's ``cost_alpha`` (attention) or α = 0 (linear).
+        seed: seed of the data order, the same on every rank.
+        accum_steps: micro-batches per optimizer step (gradient accumulation): the steps of
+            a window but the last run under DDP's ``no_sync``; :attr:`Step.sync` says which.
+        total_steps: optimizer steps the run will take, if known: lossy codecs start after a
+            twentieth of it (see ``CommConfig.compression_start``).
+        lr_warmup_steps: your learning-rate warm-up, in optimizer steps (same rule).
+        rank, world_size: optional; when given they must match the process group.
+
+    Raises:
+        ValueError: one line naming the value, for settings that disagree with the process
+            group, the dataset or each other.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lengths: Sequence[int] | np.ndarray | None = None,
+        costs: Sequence[float] | np.ndarray | None = None,
+        sampler: Sampler | None = None,
+        loss_terms: Sequence[float] | np.ndarray | None = None,
+        dataset: Any = None,
+        batch_size: int | None = None,
+        batch_tokens: int | None = None,
+        batch_cost: float | None = None,
+        balance: str | BalanceConfig = "cost",
+        comm: str | CommConfig = "none",
+        diagnostics: DiagnosticsConfig | None = None,
+        out_dir: str | Path | None = None,
+        cost_fn: Callable[..., Any] | None = None,
+        seed: int = 0,
+        accum_steps: int = 1,
+        total_steps: int | None = None,
+        lr_warmup_steps: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self._started_s = time.perf_counter()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("poise.Session needs torch.distributed initialised first: call "
+                             "dist.init_process_group(...) (torchrun sets the environment it reads)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if rank is not None and rank != self.rank:
+            raise ValueError(f"rank={rank} but this process is rank {self.rank} of the process group")
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(f"world_size={world_size} but the process group has {self.world_size} ranks")
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps={accum_steps} must be >= 1")
+        self.balance = BalanceConfig(strategy=balance) if isinstance(balance, str) else balance
+        self.comm = CommConfig(codec=comm) if isinstance(comm, str) else comm
+        self.diagnostics = diagnostics or DiagnosticsConfig()
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.accum_steps, self.total_steps = accum_steps, total_steps
+        self.backend = str(dist.get_backend())
+
+        self.loss_terms = None if loss_terms is None else np.asarray(loss_terms, dtype=np.float64)
+        if sampler is not None:
+            if lengths is not None or costs is not None or cost_fn is not None or (batch_size, batch_tokens,
+                                                                                    batch_cost) != (None,) * 3:
+                raise ValueError("sampler= comes with its own lengths, costs and budget: give none of lengths, "
+                                 "costs, cost_fn, batch_size, batch_tokens, batch_cost")
+            if (sampler.rank, sampler.world_size) != (self.rank, self.world_size):
+                raise ValueError(f"the sampler was made for rank {sampler.rank} of {sampler.world_size}, but this "
+                                 f"process is rank {self.rank} of {self.world_size}")
+            if self.balance.strategy == "dynamic" and not isinstance(sampler, BalancedBatchSampler):
+                raise ValueError(f"balance 'dynamic' re-plans a BalancedBatchSampler, not a {type(sampler).__name__}")
+            self.sampler: Sampler = sampler
+        else:
+            values, cost = _lengths_and_cost(lengths, costs, cost_fn, self.balance, dataset, self.loss_terms)
+            self.sampler = make_sampler(self.balance.strategy, values, rank=self.rank, world_size=self.world_size,
+                                        cost_fn=cost, seed=seed, batch_size=batch_size, batch_tokens=batch_tokens,
+                                        batch_cost=batch_cost, bucket_steps=self.balance.bucket_steps)
+        self.lengths: np.ndarray = self.sampler.lengths
+        if self.loss_terms is not None and len(self.loss_terms) != len(self.lengths):
+            raise ValueError(f"loss_terms has {len(self.loss_terms)} entries but there are {len(self.lengths)} samples")
+        if dataset is not None and len(dataset) != len(self.lengths):
+            raise ValueError(f"the dataset has {len(dataset)} samples but lengths has {len(self.lengths)}")
+
+        params = list(model.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+        collective_device = self.device if self.backend == "nccl" else torch.device("cpu")
+        self.partitioner = None
+        if self.balance.strategy == "dynamic":
+            assert isinstance(self.sampler, BalancedBatchSampler)
+            b = self.balance
+            self.partitioner = DynamicPartitioner(
+                self.sampler, cold_start_steps=b.cold_start_steps, window_steps=b.window_steps,
+                replan_every_steps=b.replan_every_steps, max_share_change=b.max_share_change,
+                fit_alpha=b.fit_alpha, device=collective_device,
+            )
+
+        # Emulated slowness is installed around the step and the hook, never passed into them.
+        self.slowdown = apply_slowdown(self.rank, self.balance.rank_speeds(), self.balance.slowdown_method,
+                                       torch.get_num_threads())
+        self.clock = clock_for(self.device)
+        self.probe = BucketProbe(self.clock)
+        optimizer_steps = total_steps if total_steps is not None else 0
+        self.compression_start = self.comm.compression_start(optimizer_steps, lr_warmup_steps)
+        self.model, self.comm_state = self._wrap(model)
+        self.timeline = Timeline(self.rank, self.world_size, self.diagnostics.gather_every_steps, collective_device)
+        self.steps_done = 0  # steps (micro-batches) recorded, over all epochs
+        self.last_record: StepRecord | None = None
+        self._pending: deque[_Marks] = deque()
+        self._lag = 0 if isinstance(self.clock, HostClock) else 1  # CUDA: read a step's events one step later
+        self._active: Step | None = None
+        self._last_exit_s: float | None = None
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def _wrap(self, model: nn.Module) -> tuple[DistributedDataParallel, Any]:
+        comm_hooks.check_backend(self.comm, self.backend)
+        single = comm_hooks.requires_single_bucket(self.comm)
+        size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        if isinstance(model, DistributedDataParallel):
+            ddp = model
+            if single and ddp.bucket_bytes_cap < size_mb * 2**20:
+                raise ValueError(f"comm.codec={self.comm.codec!r} needs one bucket on gloo: build DDP with "
+                                 f"bucket_cap_mb > {size_mb:.1f} (the model's size in MB)")
+        else:
+            bucket_cap_mb = self.comm.bucket_mb
+            if single:
+                bucket_cap_mb = 2 * size_mb + 1
+                log.info("comm.codec=%r needs a single bucket on gloo: bucket size %.1f MB instead of comm.bucket_mb",
+                         self.comm.codec, bucket_cap_mb)
+            ddp = DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=bucket_cap_mb,
+            )
+        hook, state = comm_hooks.build(self.comm, start_step=self.compression_start)
+        # order matters: the emulated slowness must happen before the probe reads the clock
+        ddp.register_comm_hook(state, self.slowdown.wrap_hook(instrumented(hook, self.probe)))
+        return ddp, state
+
+    def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
+        """``DataLoader(dataset, batch_sampler=self.sampler, **kwargs)``, after checking that
+        the dataset has one sample per entry of ``lengths``."""
+        if len(dataset) != len(self.lengths):
+            raise ValueError(f"the dataset has {len(dataset)} samples but lengths has {len(self.lengths)}")
+        return DataLoader(dataset, batch_sampler=self.sampler, **kwargs)
+
+    def settle_buckets(self, forward_backward: Callable[[], None]) -> None:
+        """Before :meth:`load_state_dict` of a run with a lossy codec: one throw-away
+        ``forward_backward`` (nothing changes) so DDP settles its bucket layout and restored
+        residuals land on the entries they were saved for (``poise.comm.hooks.settle_buckets``)."""
+        comm_hooks.settle_buckets(self.model, self.comm_state, forward_backward)
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def step(self, *, sync: bool | None = None) -> Step:
+        """The context of this rank's next training step: the batch the DataLoader just gave.
+
+        ``sync``: whether this micro-batch ends its accumulation window (gradients are
+        reduced; step the optimizer). None: every ``accum_steps``-th step does.
+
+        Raises:
+            ValueError: when no batch of ``session.sampler`` is waiting (the DataLoader uses
+                another sampler), or a step is already open.
+        """
+        if self._active is not None:
+            raise ValueError("session.step() while another step is open: one step per batch, one at a time")
+        if not self.sampler.handed:
+            raise ValueError("session.step(): no batch from session.sampler is waiting: give your DataLoader "
+                             "batch_sampler=session.sampler (or use session.dataloader(dataset)), one step per batch")
+        epoch, position, handed_s = self.sampler.handed.popleft()
+        batches = self.sampler.global_batches(position)
+        if sync is None:
+            sync = (self.steps_done + 1) % self.accum_steps == 0
+        weight = loss_weight(batches, self.rank, self.loss_terms)
+        # Data time: since the batch was asked of the sampler (the DataLoader then fetches and
+        # collates it), or since the last step ended if it was prefetched before that.
+        since = max(handed_s, self._last_exit_s) if self._last_exit_s is not None else handed_s
+        return Step(self, index=self.steps_done, epoch=epoch, position=position, indices=batches[self.rank],
+                    weight=weight / self.accum_steps, sync=sync, data_since_s=since)
+
+    def _close_step(self, step: Step, marks: _Marks) -> None:
+        self._active = None
+        self._last_exit_s = time.perf_counter()
+        self._pending.append(marks)
+        self.steps_done += 1
+        while len(self._pending) > self._lag:
+            self._take(self._pending.popleft())
+        if self.partitioner is not None and self.partitioner.due(self.steps_done - len(self._pending)):
+            if self.total_steps is None or self.steps_done < self.total_steps * self.accum_steps:
+                self.partitioner.replan(self.steps_done)
+
+    def _take(self, marks: _Marks) -> None:
+        rec = marks.record(self.clock)
+        self.timeline.record(rec)
+        if self.partitioner is not None:
+            self.partitioner.observe(self.lengths[marks.indices], rec.compute_s)
+        self.last_record = rec
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._take(self._pending.popleft())
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """All of poise's state on this rank: data position and plan, speeds and the re-planner's
+        measurements, the comm hook's state (error-feedback residuals, warm starts). Plain
+        values and tensors (``torch.save`` with ``weights_only=True`` loads it). Rank-specific
+        parts (residuals, this rank's measurements) are marked with the rank they belong to.
+
+        No collective: any rank can call it at any time, e.g. rank 0 alone for its checkpoint.
+        """
+        claimed = self.sampler.handed[0][1] if self.sampler.handed else self.sampler.position
+        partitioner = self.partitioner.state_dict() if self.partitioner else None
+        window = None
+        if partitioner is not None:
+            window = partitioner.pop("window")
+            window += [m.observation(self.clock, self.lengths) for m in self._pending]
+        return {
+            "rank": self.rank, "world_size": self.world_size, "steps_done": self.steps_done,
+            "sampler": self.sampler.state_dict(position=claimed),
+            "partitioner": partitioner,
+            "window": window,
+            "comm": self.comm_state.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`). From another rank, or a run with
+        another number of ranks, only the shared part is used (the data position; on another
+        world size the rest of the epoch is re-planned over the new ranks) and residuals and
+        speed measurements start fresh. Call before the first step; with a lossy codec call
+        :meth:`settle_buckets` first."""
+        for key in ("rank", "world_size", "steps_done", "sampler", "comm"):
+            if key not in state:
+                raise ValueError(f"not a poise session state: {key!r} is missing (keys: {sorted(state)})")
+        if self.steps_done:
+            raise ValueError(f"load_state_dict after {self.steps_done} steps: load before the first step")
+        same_world = int(state["world_size"]) == self.world_size
+        own = same_world and int(state["rank"]) == self.rank
+        self.sampler.load_state_dict(state["sampler"])
+        if self.partitioner is not None and state.get("partitioner") and own and state.get("window") is not None:
+            self.partitioner.load_state_dict({**state["partitioner"], "window": state["window"]})
+        if own:
+            self.comm_state.load_state_dict(state["comm"])
+        else:
+            log.info("session state of rank %s of %s loaded on rank %d of %d: data position only",
+                     state["rank"], state["world_size"], self.rank, self.world_size)
+        self.steps_done = int(state["steps_done"]) if same_world else 0
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def finish(self, extra: dict[str, Any] | None = None, *, loss_scale: float = 1.0) -> dict[str, Any] | None:
+        """Gather every rank's figures and, on rank 0, write ``report.json``, ``trace.json`` and
+        ``timeline.png`` into ``out_dir``. A collective: call on every rank, once, at the end.
+
+        ``extra`` is added to the report (your eval metrics, say); ``loss_scale`` converts the
+        recorded training loss (nats, as your loss returns it) into the unit you report.
+        Returns the report on rank 0, None elsewhere.
+        """
+        if self._active is not None:
+            raise ValueError("session.finish() inside an open step")
+        self._drain()
+        self.timeline.flush()
+        slowdowns: list[Any] = [None] * self.world_size
+        dist.all_gather_object(slowdowns, {"speed": self.slowdown.speed, "method": self.slowdown.method})
+        if self.rank != 0:
+            return None
+        table = self.timeline.table()
+        if table.shape[1] == 0:
+            raise ValueError("session.finish(): no step was recorded: run steps inside `with session.step()`")
+        report: dict[str, Any] = {
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "wall_s": time.perf_counter() - self._started_s,
+            **report_mod.summarize(table, loss_scale=loss_scale),
+            "balance_strategy": self.balance.strategy,
+            "codec": self.comm.codec,
+            "compression_start_step": self.compression_start,  # optimizer steps sent uncompressed first
+            "replans": [e.__dict__ for e in self.partitioner.history] if self.partitioner else [],
+            "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed
+            **(extra or {}),
+        }
+        if self.out_dir is not None:
+            write_outputs(self.out_dir, report, table, plot=self.diagnostics.plot)
+        return report
+
+
+def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> None:
+    """Rank 0: report.json, trace.json and (optionally) timeline.png from the gathered ``table``."""
+    write_json_atomic(out / "report.json", report)
+    write_chrome_trace(table, out / "trace.json")
+    if plot:
+        report_mod.plot_timeline(table, out / "timeline.png")
+
+
+class Step:
+    """One training step of one rank (from :meth:`Session.step`); use it as a context.
+
+    Attributes:
+        index: steps (micro-batches) before this one in the run.
+        epoch, position: where this step sits in the data plan.
+        indices: this rank's sample indices for the step.
+        weight: the factor :meth:`backward` multiplies the loss by (exact weighting, divided
+            by ``accum_steps``).
+        sync: whether gradients are reduced in this step (step your optimizer only then).
+        skipped: set it True when you skipped the optimizer step (reported as such).
+        loss: the loss given to :meth:`backward` (a detached tensor), or None.
+    """
+
+    def __init__(self, session: Session, *, index: int, epoch: int, position: int, indices: np.ndarray,
+                 weight: float, sync: bool, data_since_s: float) -> None:
+        self.session = session
+        self.index, self.epoch, self.position = index, epoch, position
+        self.indices, self.weight, self.sync = indices, weight, sync
+        self.skipped = False
+        self.loss: torch.Tensor | None = None
+        self._data_since_s = data_since_s
+        self._no_sync: Any = None
+        self._marks: _Marks | None = None
+
+    def __enter__(self) -> Step:
+        s = self.session
+        s._active = self
+        now = time.perf_counter()
+        data_s = max(0.0, now - self._data_since_s)
+        s.probe.reset()
+        s.comm_state.reset_step()
+        s.slowdown.mark_s = now
+        if not self.sync:
+            # DDP's no_sync must cover the forward too: it arms (or not) the reduction there.
+            self._no_sync = s.model.no_sync()
+            self._no_sync.__enter__()
+        lengths = s.lengths[self.indices]
+        self._marks = _Marks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=s.clock.mark(),
+                             indices=self.indices, samples=len(lengths), tokens=int(lengths.sum()),
+                             padded_tokens=int(len(lengths) * lengths.max()) if len(lengths) else 0)
+        return self
+
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None) -> None:
+        """Weight ``loss`` (the mean over this rank's batch) and run backward; gradients are
+        communicated here. ``backward``: your own backward call (``accelerator.backward``),
+        given the weighted loss; default ``loss.backward()``.
+
+        Raises:
+            ValueError: outside the step's context, or a second time in one step.
+        """
+        s, m = self.session, self._marks
+        if m is None or s._active is not self:
+            raise ValueError("step.backward() outside its `with session.step() as step:` block")
+        if m.backward is not None:
+            raise ValueError(f"step.backward() called twice in step {self.index}: once per step")
+        s.slowdown.stretch()  # emulated slowness of the forward counts as this rank's compute
+        m.backward = s.clock.mark()
+        weighted = loss * self.weight
+        if backward is None:
+            weighted.backward()
+        else:
+            backward(weighted)
+        m.backward_end = s.clock.mark()
+        m.ready = s.probe.last_ready
+        m.in_flight = list(s.probe.in_flight)
+        self.loss = loss.detach()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        s, m = self.session, self._marks
+        assert m is not None
+        if self._no_sync is not None:
+            self._no_sync.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            s._active = None
+            return
+        if m.backward is None:
+            s._active = None
+            what = (f"{s.probe.buckets_this_step} gradient buckets were reduced, so backward ran outside it: "
+                    "call step.backward(loss), not loss.backward(), so the loss is weighted and timed"
+                    if s.probe.buckets_this_step else "no backward ran")
+            raise ValueError(f"step {self.index} ended without step.backward(loss): {what}")
+        m.end = s.clock.mark()
+        stats = s.comm_state.step_stats()
+        inter = s.comm_state.inter_node_stats() if hasattr(s.comm_state, "inter_node_stats") else None
+        m.loss, m.skipped = self.loss, self.skipped
+        m.raw_bytes, m.wire_bytes = stats.raw_bytes, stats.wire_bytes
+        m.codec_s = stats.encode_s + stats.decode_s
+        if inter is not None:
+            m.inter_node_raw_bytes, m.inter_node_wire_bytes = inter.raw_bytes, inter.wire_bytes
+        s._close_step(self, m)
+
+
+@dataclass
+class _Marks:
+    """One step's clock marks and counts, until its figures are read (CUDA: one step later)."""
+
+    index: int
+    start_time_s: float
+    data_s: float
+    forward: Any
+    indices: np.ndarray
+    samples: int
+    tokens: int
+    padded_tokens: int
+    backward: Any = None
+    backward_end: Any = None
+    ready: Any = None
+    end: Any = None
+    in_flight: list[tuple[Any, Any]] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    skipped: bool = False
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    inter_node_raw_bytes: int = 0
+    inter_node_wire_bytes: int = 0
+    codec_s: float = 0.0
+
+    def record(self, clock: Any) -> StepRecord:
+        """The step's :class:`StepRecord` (seconds); reads the marks (waits for CUDA events)."""
+        def s(mark: Any) -> float:
+            return clock.seconds(self.forward, mark)
+
+        # No bucket reached the hook only if nothing needs a gradient; then there was no comm.
+        ready = self.ready if self.ready is not None else self.backward_end
+        busy, hidden = comm_overlap([(s(a), s(b)) for a, b in self.in_flight], s(ready))
+        end = s(self.end)
+        return StepRecord(
+            step=self.index, start_time_s=self.start_time_s, data_s=self.data_s,
+            forward_s=s(self.backward), backward_s=s(ready) - s(self.backward),
+            comm_wait_s=s(self.backward_end) - s(ready), optim_s=end - s(self.backward_end), step_s=self.data_s + end,
+            samples=self.samples, tokens=self.tokens, padded_tokens=self.padded_tokens,
+            loss=float(self.loss) if self.loss is not None else float("nan"),
+            raw_bytes=self.raw_bytes, wire_bytes=self.wire_bytes, inter_node_raw_bytes=self.inter_node_raw_bytes,
+            inter_node_wire_bytes=self.inter_node_wire_bytes, codec_s=self.codec_s, comm_busy_s=busy,
+            comm_hidden_s=hidden, skipped=int(self.skipped),
+        )
+
+    def observation(self, clock: Any, lengths: np.ndarray) -> tuple[float, float, float]:
+        """What the re-planner records of this step (``DynamicPartitioner.observe``'s terms)."""
+        rec = self.record(clock)
+        batch = lengths[self.indices]
+        n, longest = len(batch), float(np.max(batch)) if len(batch) else 0.0
+        return (n * longest, n * longest * longest, rec.compute_s)
+
+
+def _lengths_and_cost(lengths: Any, costs: Any, cost_fn: Callable[..., Any] | None, balance: BalanceConfig,
+                      dataset: Any, loss_terms: np.ndarray | None) -> tuple[np.ndarray, CostFn]:
+    """The per-sample metadata the sampler plans with, and the cost function of it (without
+    either, every sample of ``dataset`` or ``loss_terms`` costs 1)."""
+    if lengths is not None and costs is not None:
+        raise ValueError("give lengths= or costs=, not both")
+    if costs is not None:
+        if cost_fn is not None:
+            raise ValueError("costs= are used as they are: cost_fn= applies to lengths=")
+        values = np.asarray(costs, dtype=np.float64)
+        cost: CostFn = linear_cost()
+    else:
+        values = None if lengths is None else np.asarray(lengths)
+        if cost_fn is not None:
+            cost = as_cost_fn(cost_fn)
+        elif balance.cost_model == "linear" or values is None:
+            cost = linear_cost()
+        else:
+            cost = AttentionCost(balance.cost_alpha if balance.cost_alpha is not None else DEFAULT_ALPHA)
+    if values is None:
+        if dataset is None and loss_terms is None:
+            raise ValueError("give lengths= (or costs=, or dataset=): the sampler needs the number of samples")
+        values = np.ones(len(dataset) if dataset is not None else len(loss_terms), dtype=np.int64)  # type: ignore[arg-type]
+    else:
+        if values.ndim != 1 or len(values) == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+            raise ValueError(f"{'costs' if costs is not None else 'lengths'} must be one positive number per "
+                             f"sample (got shape {list(values.shape)})")
+    return values, cost
+
+
+__all__ = ["RANK_KEYS", "Session", "Step"]

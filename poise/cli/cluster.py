@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from poise.cli import train
 from poise.cluster import linkcheck, topology
 from poise.cluster.links import parse_delay, parse_rate
 from poise.cluster.state import ClusterState
@@ -127,8 +128,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from poise.cli import train
-
     command = list(args.train_command)
     if command[:1] == ["--"]:
         command = command[1:]

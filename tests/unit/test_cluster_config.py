@@ -12,9 +12,9 @@ import pytest
 from poise import config as cfg
 from poise.cli import build_parser, main
 from poise.cli.flags import resolve
-from poise.cli.train import launcher_args
 from poise.cluster.links import Shaping, format_rate, parse_delay, parse_rate
 from poise.cluster.state import ClusterState, validate_name, validate_shape
+from poise.launch.elastic import launcher_args
 
 
 def parse(*argv: str) -> argparse.Namespace:

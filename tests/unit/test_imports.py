@@ -190,30 +190,22 @@ def test_graph_resolves_submodules_relative_and_lazy_imports(tmp_path):
     assert strongly_connected(graph) == []
 
 
-def test_a_cycle_through_a_package_init_is_named(tmp_path):
-    root = _write(tmp_path, {
-        "__init__.py": "",
-        "pkg/__init__.py": "from poise.pkg.child import thing\n",
-        "pkg/child.py": "thing = 1\ndef f():\n    from poise.other import g\n",
-        "other.py": "from poise.pkg import thing\n",
-    })
-    graph = import_graph(root)
+@pytest.mark.parametrize(
+    ("files", "cycle"),
+    [
+        # a lazy import back into a package whose __init__ re-exports the importer's module
+        ({"pkg/__init__.py": "from poise.pkg.child import thing\n",
+          "pkg/child.py": "thing = 1\ndef f():\n    from poise.other import g\n",
+          "other.py": "from poise.pkg import thing\n"},
+         "poise.other (line 1) -> poise.pkg (line 1) -> poise.pkg.child (line 3) -> poise.other"),
+        # user -> pkg.leaf runs pkg/__init__.py, which imports user: a cycle, though nothing names pkg
+        ({"pkg/__init__.py": "def f():\n    from poise.user import g\n",
+          "pkg/leaf.py": "",
+          "user.py": "from poise.pkg.leaf import x\n"},
+         "poise.pkg (line 2) -> poise.user (line 1) -> poise.pkg"),
+    ],
+)
+def test_a_cycle_is_named_with_its_lines(tmp_path, files, cycle):
+    graph = import_graph(_write(tmp_path, {"__init__.py": "", **files}))
     (component,) = strongly_connected(graph)
-    assert component == ["poise.other", "poise.pkg", "poise.pkg.child"]
-    assert describe_cycle(graph, component) == (
-        "poise.other (line 1) -> poise.pkg (line 1) -> poise.pkg.child (line 3) -> poise.other")
-
-
-def test_importing_a_child_runs_its_package_init(tmp_path):
-    # user -> pkg.leaf runs pkg/__init__.py, which imports user back: a cycle although no
-    # statement names pkg itself
-    root = _write(tmp_path, {
-        "__init__.py": "",
-        "pkg/__init__.py": "def f():\n    from poise.user import g\n",
-        "pkg/leaf.py": "",
-        "user.py": "from poise.pkg.leaf import x\n",
-    })
-    graph = import_graph(root)
-    assert strongly_connected(graph) == [["poise.pkg", "poise.user"]]
-    assert describe_cycle(graph, ["poise.pkg", "poise.user"]) == (
-        "poise.pkg (line 2) -> poise.user (line 1) -> poise.pkg")
+    assert describe_cycle(graph, component) == cycle

@@ -209,3 +209,10 @@ def test_a_cycle_is_named_with_its_lines(tmp_path, files, cycle):
     graph = import_graph(_write(tmp_path, {"__init__.py": "", **files}))
     (component,) = strongly_connected(graph)
     assert describe_cycle(graph, component) == cycle
+
+
+def test_units_and_the_launch_package_init_import_nothing_from_poise():
+    # poise.units is the leaf every layer parses rates with; poise/launch/__init__.py must stay
+    # empty or cluster.job -> launch.elastic would run it and close a loop through launch.job
+    graph = import_graph()
+    assert graph["poise.units"] == {} and graph["poise.launch"] == {}

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.bench.harness import output_dir, require_positive, run_train_job, save_results, show_table
-from poise.cluster.links import parse_rate
+from poise.cluster.links import link_rate_bit_per_s
 
 HELP = "flat/ring/hierarchical busbw and training with each codec over shaped links on an emulated cluster"
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     require_positive(args, "nodes", "procs_per_node", "steps", "timeout_s")
     links = [t.strip() for t in args.links.split(",") if t.strip()]
     for link in links:
-        parse_rate(link)  # one-line error for a bad rate, before anything starts
+        link_rate_bit_per_s(link)  # one-line error for a bad rate, before anything starts
     labels = [t.strip() for t in args.runs.split(",") if t.strip()]
     unknown = [x for x in labels if x not in RUNS]
     if unknown:
@@ -120,9 +120,10 @@ def busbw(out: Path, cluster: str, link: str, size: str, timeout_s: float) -> li
     if proc.returncode != 0:
         raise RuntimeError(f"busbw on {cluster} at {link} failed (exit {proc.returncode}, see {out / 'diagnose.log'})")
     data = json.loads((out / "busbw.json").read_text())
-    line_rate = parse_rate(link) / 8  # bytes/s
+    line_rate_bytes_per_s = link_rate_bit_per_s(link) / 8
     rows = [{"link": link, "op": r["op"], "time_s": r["time_s"], "busbw_gbit_per_s": r["busbw_bytes_per_s"] * 8e-9,
-             "line_rate_ratio": r["busbw_bytes_per_s"] / line_rate} for r in data["results"] if not r["error"]]
+             "line_rate_ratio": r["busbw_bytes_per_s"] / line_rate_bytes_per_s}
+            for r in data["results"] if not r["error"]]
     flat = next((r["time_s"] for r in rows if r["op"] == "all_reduce"), None)
     for row in rows:
         row["vs_flat"] = flat / row["time_s"] if flat else None

@@ -12,8 +12,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from poise.cli import train
 from poise.cluster import linkcheck, topology
-from poise.cluster.links import parse_delay, parse_rate
+from poise.cluster.links import link_delay_s, link_rate_bit_per_s
 from poise.cluster.state import ClusterState
 from poise.files import write_json_atomic
 from poise.log import make_console
@@ -57,7 +58,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    state = topology.up(args.name, args.nodes, args.procs_per_node, parse_rate(args.link), parse_delay(args.delay))
+    state = topology.up(args.name, args.nodes, args.procs_per_node, link_rate_bit_per_s(args.link),
+                         link_delay_s(args.delay))
     _show([status for status in topology.status() if status.name == state.name])
     return 0
 
@@ -127,8 +129,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from poise.cli import train
-
     command = list(args.train_command)
     if command[:1] == ["--"]:
         command = command[1:]

@@ -15,8 +15,9 @@ from types import ModuleType
 from typing import Any
 
 from poise import config as cfg
-from poise.cli.train import launch_job
+from poise.cluster import job as cluster_job
 from poise.diagnostics import busbw
+from poise.launch.job import launch_job
 
 DIAGNOSTICS: dict[str, ModuleType] = {"busbw": busbw}
 
@@ -45,8 +46,6 @@ def run(args: argparse.Namespace) -> int:
     args.out = str(Path(args.out or module.default_out_dir()).resolve())
     config = cfg.from_dict({"out_dir": args.out, "dist": _dist_settings(args), "cluster": _cluster_settings(args)})
     if config.cluster.enabled:
-        from poise.cluster import job as cluster_job
-
         cluster_job.check_job(config)
     return launch_job(config, None, module=module.__name__, command=f"diagnose {args.diagnostic}",
                       module_args=module.forwarded_argv(args))

@@ -1,7 +1,7 @@
 """``poise pipeline``: split code-lm's transformer into balanced stages and train it as a pipeline.
 
 One stage per worker (``--stages P``, the same as ``--nproc``), launched exactly as
-``poise train`` launches its workers (torch's elastic launcher, :func:`poise.cli.train.launch`),
+``poise train`` launches its workers (torch's elastic launcher, :func:`poise.launch.elastic.launch`),
 running :mod:`poise.pipeline.worker`. Prints the plan and the measured vs predicted balance.
 """
 
@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from poise.cli.flags import add_config_flags
-from poise.cli.train import launch_job, record_config
+from poise.cli.train import record_config
+from poise.launch.job import launch_job
 from poise.log import make_console
 
 WORKER_MODULE = "poise.pipeline.worker"

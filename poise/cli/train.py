@@ -1,11 +1,10 @@
-"""``poise train``: resolve the config, record it, and launch workers with torch's elastic launcher.
+"""``poise train``: resolve the config, record it, launch the workers, show the summary.
 
-The launcher is torch.distributed.run (the code behind ``torchrun``), called in-process with
-the same arguments a user would type: standalone rendezvous on one machine, or
-``--nnodes/--node-rank/--rdzv-endpoint`` for multi-node jobs; with ``--cluster N:M``, one launcher
-per node of an emulated cluster (:mod:`poise.cluster.job`). Every worker runs
-:mod:`poise.runtime.worker` on the resolved ``config.toml``. When a worker fails, the
-launcher stops the others and we exit non-zero naming the failed rank and its error.
+Launching is :func:`poise.launch.job.launch_job`: torch's elastic launcher on this machine
+(:mod:`poise.launch.elastic`), or with ``--cluster N:M`` one launcher per node of an emulated
+cluster (:mod:`poise.cluster.job`). Every worker runs :mod:`poise.runtime.worker` on the
+resolved ``config.toml``. When a worker fails, the launcher stops the others and we exit
+non-zero naming the failed rank and its error.
 """
 
 from __future__ import annotations
@@ -13,17 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import re
-import signal
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from poise import config as cfg
 from poise.cli.flags import add_config_flags, resolve
+from poise.cluster import job as cluster_job
+from poise.launch.job import launch_job
 from poise.log import make_console
 
 log = logging.getLogger(__name__)
@@ -40,103 +36,10 @@ def default_out_dir() -> str:
     return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
 
-WORKER_MODULE = "poise.runtime.worker"
-
-
-def launcher_args(dist: cfg.DistConfig, config_path: Path | None, module: str = WORKER_MODULE,
-                  module_args: Sequence[str] | None = None) -> list[str]:
-    """torchrun arguments for one machine's agent (what a user would type after ``torchrun``).
-
-    The workers run ``python -m module --config config_path``, or ``module *module_args``
-    when given (``poise diagnose``, whose workers take their own options).
-    """
-    args = [f"--nproc-per-node={dist.nproc}", f"--nnodes={dist.nnodes}", f"--max-restarts={dist.max_restarts}",
-            "--monitor-interval=0.5"]
-    if dist.rdzv_endpoint:
-        args += [f"--rdzv-backend={dist.rdzv_backend}", f"--rdzv-endpoint={dist.rdzv_endpoint}",
-                 f"--rdzv-id={dist.rdzv_id}"]
-        if dist.node_rank is not None:
-            args.append(f"--node-rank={dist.node_rank}")
-        if dist.local_addr:
-            args.append(f"--local-addr={dist.local_addr}")
-        if dist.rdzv_is_host is not None:
-            args.append(f"--rdzv-conf=is_host={int(dist.rdzv_is_host)}")
-    elif dist.nnodes != "1":
-        raise ValueError(f"dist.nnodes={dist.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
-    else:
-        args.append("--standalone")
-    return [*args, "-m", module, *(module_args if module_args is not None else ["--config", str(config_path)])]
-
-
-def launch(dist: cfg.DistConfig, config_path: Path | None, *, module: str = WORKER_MODULE, command: str = "train",
-           module_args: Sequence[str] | None = None) -> int:
-    """Run this machine's workers of ``module`` through torch.distributed.run; returns 0 or 1 (a
-    worker failed). ``command`` names the ``poise`` subcommand in the failure message;
-    ``module_args`` replace ``--config config_path`` (see :func:`launcher_args`).
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as elastic_run
-
-    # torchrun would force 1 thread per worker and warn; the worker sets its own count.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if dist.socket_ifname:
-        # Without it gloo binds to the address the hostname resolves to, which may be loopback.
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = dist.socket_ifname
-    argv = launcher_args(dist, config_path, module, module_args)
-    log.info("launching: torchrun %s", " ".join(argv))
-    try:
-        elastic_run(get_args_parser().parse_args(argv))
-    except ChildFailedError as exc:
-        rank, failure = root_failure(exc)
-        sys.stderr.write(
-            f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
-        )
-        return 1
-    return 0
-
-
-# a rank's error that only reports that a peer went away: a consequence, not a cause
-PEER_LOST = re.compile(r"connection (reset|closed) by peer|read error|broken pipe", re.IGNORECASE)
-
-
-def root_failure(exc: Any) -> tuple[int, Any]:
-    """The failure that caused the others: a rank killed by SIGKILL first, then by another signal
-    than the launcher's own SIGTERM, then one whose error is not a peer's loss, then the first.
-
-    A worker that is killed writes no error record, so torchelastic stamps its failure only
-    when it notices it; by then a peer may have failed with "connection closed by peer" (as
-    an exception, or aborting inside gloo) and been stamped earlier: a consequence, not the cause.
-    """
-    def order(item: tuple[int, Any]) -> tuple[bool, bool, bool, float]:
-        failure = item[1]
-        signalled = failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM
-        return (failure.exitcode != -signal.SIGKILL, not signalled, bool(PEER_LOST.search(str(failure.message))),
-                failure.timestamp)
-
-    return min(exc.failures.items(), key=order)
-
-
-def _error_line(message: object) -> str:
-    """The exception line from a torchelastic failure message (a JSON error record when the
-    worker used ``@record``, plain text otherwise)."""
-    if isinstance(message, str):
-        try:
-            message = json.loads(message)
-        except ValueError:
-            pass
-    if isinstance(message, dict):
-        message = message.get("message", message)
-    text = str(message).strip()
-    return text.splitlines()[0] if text else "(no message)"
-
-
 def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
     """Resolve the flags into a config with an absolute ``out_dir`` and write ``config.toml`` there."""
     config = resolve(args)
     if config.cluster.enabled:
-        from poise.cluster import job as cluster_job
-
         if config.cluster.name:
             # An existing cluster's shape and link fill in what the file and flags leave open.
             config = resolve(args, cluster_job.cluster_defaults(config.cluster.name))
@@ -156,16 +59,6 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
     config_path = cfg.save(config, Path(config.out_dir) / "config.toml")
     log.info("resolved config written to %s", config_path)
     return config, config_path.resolve()
-
-
-def launch_job(config: cfg.RunConfig, config_path: Path | None, *, module: str = WORKER_MODULE,
-               command: str = "train", module_args: Sequence[str] | None = None) -> int:
-    """Run the recorded job: on this machine, or across the nodes of its emulated cluster."""
-    if config.cluster.enabled:
-        from poise.cluster.job import run_on_cluster
-
-        return run_on_cluster(config, config_path, module=module, command=command, module_args=module_args)
-    return launch(config.dist, config_path, module=module, command=command, module_args=module_args)
 
 
 def run(args: argparse.Namespace) -> int:

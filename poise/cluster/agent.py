@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from poise.cli.train import WORKER_MODULE, launch
 from poise.config import DistConfig
+from poise.launch.elastic import WORKER_MODULE, launch
 from poise.log import setup_logging
 
 

@@ -31,10 +31,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from poise.cli.train import PEER_LOST
 from poise.cluster import net, topology
 from poise.cluster.state import NODE_IFNAME, ClusterState, node_namespace
 from poise.config import DistConfig, RunConfig
+from poise.launch.elastic import PEER_LOST
 from poise.runtime.dist import threads_for
 
 log = logging.getLogger(__name__)

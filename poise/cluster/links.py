@@ -1,7 +1,8 @@
 """Link rates and how a link is shaped: pure functions, no system calls.
 
 A rate is written the way ``tc`` writes it, in bits per second with a decimal prefix
-(``500kbit``, ``100mbit``, ``1gbit``, ``10gbit``; ``k`` = 10^3). Every node's link is shaped
+(``500kbit``, ``100mbit``, ``1gbit``, ``10gbit``; ``k`` = 10^3; parsed by :mod:`poise.units`,
+bounded here to what a shaped link can carry). Every node's link is shaped
 with a token bucket filter (tbf) in each direction. The bucket (burst) must hold at least one
 GSO super-packet (veth hands the qdisc segments of up to 64 KiB) and what the rate delivers in
 one millisecond, or tbf splits packets and the link falls short of its rate at 10 Gbit/s;
@@ -10,15 +11,12 @@ the queue (limit) holds the burst plus 20 ms at the rate, enough for TCP to keep
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)\s*$", re.IGNORECASE)
+from poise.units import format_rate_bit_per_s, parse_duration_s, parse_rate_bit_per_s
+
 MIN_RATE_BIT_PER_S = 64 * 10**3
 MAX_RATE_BIT_PER_S = 100 * 10**9
-_DELAY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*$", re.IGNORECASE)
-_DELAY_UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 MAX_DELAY_S = 10.0
 
 # veth passes GSO segments of up to 64 KiB to the qdisc; a smaller bucket makes tbf split them.
@@ -27,45 +25,29 @@ _BURST_S = 0.001
 _QUEUE_S = 0.020
 
 
-def parse_rate(text: str) -> int:
-    """``"1gbit"`` -> 1_000_000_000: a link rate in bits per second.
+def link_rate_bit_per_s(text: str) -> int:
+    """``"1gbit"`` -> 1_000_000_000: a rate a node's link can be shaped to, in whole bits per
+    second (tc takes whole bits; :func:`poise.units.parse_rate_bit_per_s` says which units).
 
     Raises:
         ValueError: naming the text and what is allowed (a unit, and 64kbit..100gbit).
     """
-    match = _RATE.match(str(text))
-    if not match:
-        raise ValueError(
-            f"link rate {text!r} is invalid: give a number and a unit of bit, kbit, mbit or gbit, e.g. 1gbit or 100mbit"
-        )
-    rate = round(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    rate = round(parse_rate_bit_per_s(text, what="link rate"))
     if not MIN_RATE_BIT_PER_S <= rate <= MAX_RATE_BIT_PER_S:
-        raise ValueError(f"link rate {text!r} is outside the allowed 64kbit..100gbit")
+        raise ValueError(f"link rate {text!r} is outside the allowed {format_rate_bit_per_s(MIN_RATE_BIT_PER_S)}.."
+                         f"{format_rate_bit_per_s(MAX_RATE_BIT_PER_S)}")
     return rate
 
 
-def format_rate(bit_per_s: int) -> str:
-    """1_000_000_000 -> ``"1gbit"``; the largest unit that writes the rate exactly."""
-    for unit in ("gbit", "mbit", "kbit"):
-        if bit_per_s % _UNITS[unit] == 0:
-            return f"{bit_per_s // _UNITS[unit]}{unit}"
-    return f"{bit_per_s}bit"
-
-
-def parse_delay(text: str) -> float:
-    """``"5ms"`` -> 0.005: a one-way link delay in seconds (``""`` = none, 0.0).
+def link_delay_s(text: str) -> float:
+    """``"5ms"`` -> 0.005: a one-way link delay netem can add, in seconds (``""`` = none, 0.0).
 
     Raises:
-        ValueError: naming the text and what is allowed.
+        ValueError: naming the text and what is allowed (a unit, and 0..10s).
     """
-    if not str(text).strip():
-        return 0.0
-    match = _DELAY.match(str(text))
-    if not match:
-        raise ValueError(f"link delay {text!r} is invalid: give a number and a unit of us, ms or s, e.g. 5ms")
-    delay_s = float(match.group(1)) * _DELAY_UNITS_S[match.group(2).lower()]
+    delay_s = parse_duration_s(text, what="link delay")
     if delay_s > MAX_DELAY_S:
-        raise ValueError(f"link delay {text!r} is outside the allowed 0..10s")
+        raise ValueError(f"link delay {text!r} is outside the allowed 0..{MAX_DELAY_S:g}s")
     return delay_s
 
 

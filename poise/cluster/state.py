@@ -24,9 +24,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from poise.cluster.links import format_rate
 from poise.cluster.net import NS_PREFIX, process_start_ticks
 from poise.files import write_json_atomic
+from poise.units import format_rate_bit_per_s
 
 DEFAULT_STATE_DIR = "/run/poise/clusters"
 MAX_NODES = 64
@@ -109,7 +109,7 @@ class ClusterState:
     @property
     def link(self) -> str:
         """The link rate as written on the command line (``1gbit``)."""
-        return format_rate(self.link_rate_bit_per_s)
+        return format_rate_bit_per_s(self.link_rate_bit_per_s)
 
     def address(self, node: int) -> str:
         """Node ``node``'s address inside its namespace (no prefix length)."""

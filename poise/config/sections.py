@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from poise.cluster.links import format_rate, parse_delay, parse_rate
+from poise.cluster import links
 from poise.cluster.state import MAX_NODES, validate_name
+from poise.units import format_rate_bit_per_s
 
 TASK_NAMES = ("code-lm", "digits")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -327,7 +328,7 @@ class CommConfig:
         return max(2, 2 * lr_warmup_steps, math.ceil(0.05 * optimizer_steps))
 
 
-DEFAULT_LINK = format_rate(10**9)
+DEFAULT_LINK = format_rate_bit_per_s(10**9)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,9 +347,9 @@ class ClusterConfig:
             raise ValueError(f"cluster.nodes={self.nodes!r} is invalid: allowed is 0..{MAX_NODES} (0 = no cluster)")
         if self.name:
             validate_name(self.name)
-        parse_rate(self.link)
-        parse_delay(self.delay)
-        if not self.enabled and (parse_rate(self.link) != parse_rate(DEFAULT_LINK) or self.delay):
+        rate_bit_per_s = links.link_rate_bit_per_s(self.link)
+        links.link_delay_s(self.delay)
+        if not self.enabled and (rate_bit_per_s != links.link_rate_bit_per_s(DEFAULT_LINK) or self.delay):
             raise ValueError("cluster.link and cluster.delay only apply with cluster.nodes >= 1 or cluster.name")
 
     @property
@@ -359,12 +360,12 @@ class ClusterConfig:
     @property
     def link_rate_bit_per_s(self) -> int:
         """The link rate in bits per second."""
-        return parse_rate(self.link)
+        return links.link_rate_bit_per_s(self.link)
 
     @property
     def delay_s(self) -> float:
         """The one-way link delay in seconds (0 = none)."""
-        return parse_delay(self.delay)
+        return links.link_delay_s(self.delay)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,6 @@ import argparse
 import logging
 import math
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from poise.units import format_size_bytes, parse_rate_bit_per_s, parse_size_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 BACKEND_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 POISE_OPS = ("poise-flat", "poise-ring", "poise-tree", "poise-hierarchical")
 OPS = BACKEND_OPS + POISE_OPS
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
-               "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9}
 
 
 @dataclass(frozen=True)
@@ -81,23 +79,6 @@ def bus_factor(op: str, world_size: int) -> float:
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
     return 2 * (n - 1) / n  # every all-reduce
-
-
-def parse_bytes(text: str) -> int:
-    """``"4K"``, ``"256M"``, ``"1G"`` (powers of 1024) or a plain count, in bytes."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
-    if not match or int(match.group(1)) <= 0:
-        raise ValueError(f"size {text!r} is invalid: give a positive number of bytes like 4096, 4K, 256M, 1G")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
-
-
-def parse_rate(text: str) -> float:
-    """A link rate like tc writes it (``1gbit``, ``100mbit``) or in bytes (``25GB/s``), in bytes/s."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*([a-z/]+)\s*", text.lower())
-    unit = _RATE_UNITS.get(match.group(2)) if match else None
-    if unit is None or not float(match.group(1)) > 0:
-        raise ValueError(f"link rate {text!r} is invalid: give e.g. 1gbit, 100mbit, 10gbit or 25GB/s")
-    return float(match.group(1)) * unit
 
 
 def size_ladder(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -198,13 +179,6 @@ def measure_busbw(ops: Sequence[str], sizes_bytes: Sequence[int], *, warmup: int
 # -- reporting (rank 0) -------------------------------------------------------------------------
 
 
-def _human(size: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if size >= scale:
-            return f"{size / scale:g}{unit}"
-    return f"{size}B"
-
-
 def best_by_op(results: Sequence[Measurement], link_bytes_per_s: float | None) -> list[dict[str, Any]]:
     """Per op: the best busbw (bytes/s), at which size, and its share of the line rate."""
     rows = []
@@ -241,13 +215,13 @@ def show(results: Sequence[Measurement], world_size: int, link_bytes_per_s: floa
             for op in ops:
                 m = by_key.get((op, size))
                 cells.append("-" if m is None or m.error else fmt(m))
-            table.add_row(_human(size), *cells)
+            table.add_row(format_size_bytes(size), *cells)
         console.print(table)
     summary = Table(title="best busbw per operation" + (" vs line rate" if link_bytes_per_s else ""))
     for header in ("op", "best busbw GB/s", "at size") + (("of line rate",) if link_bytes_per_s else ()):
         summary.add_column(header, justify="right")
     for row in best_by_op(results, link_bytes_per_s):
-        cells = [row["op"], f"{row['busbw_bytes_per_s'] / 1e9:.3f}", _human(row["size_bytes"])]
+        cells = [row["op"], f"{row['busbw_bytes_per_s'] / 1e9:.3f}", format_size_bytes(row["size_bytes"])]
         if link_bytes_per_s:
             cells.append(f"{row['line_rate_ratio']:.2f}")
         summary.add_row(*cells)
@@ -317,12 +291,14 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[str], flo
     for name in ("warmup", "repeats"):
         if getattr(args, name) < (1 if name == "repeats" else 0):
             raise ValueError(f"--{name}={getattr(args, name)} is too small")
-    sizes = size_ladder(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor)
+    sizes = size_ladder(parse_size_bytes(args.min_bytes), parse_size_bytes(args.max_bytes), args.factor)
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
         raise ValueError(f"--ops={args.ops!r}: allowed are {', '.join(OPS)}")
-    return sizes, ops, parse_rate(args.link) if args.link else None
+    # busbw is in bytes/s (the nccl-tests convention), the link rate in bits/s
+    link_bytes_per_s = parse_rate_bit_per_s(args.link, what="link rate") / 8 if args.link else None
+    return sizes, ops, link_bytes_per_s
 
 
 def default_out_dir() -> str:

@@ -1,26 +1,30 @@
-"""The pure parts of ``poise diagnose busbw``: units, size ladder, nccl-tests bus factors."""
+"""The pure parts of ``poise diagnose busbw``: its arguments' units, size ladder, nccl-tests bus factors."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from poise.diagnostics.busbw import bus_factor, parse_bytes, parse_rate, size_ladder
+from poise.diagnostics.busbw import OPS, add_arguments, bus_factor, check_arguments, size_ladder
 
 
-def test_sizes_and_rates_parse_with_their_units():
-    assert parse_bytes("4K") == 4096
-    assert parse_bytes("256M") == 256 << 20
-    assert parse_bytes("1GiB") == 1 << 30
-    assert parse_bytes("1000") == 1000
-    assert parse_rate("1gbit") == 125e6
-    assert parse_rate("100mbit") == 12.5e6
-    assert parse_rate("25GB/s") == 25e9
-    for bad in ("", "-1K", "4X", "0"):
-        with pytest.raises(ValueError, match="is invalid"):
-            parse_bytes(bad)
-    for bad in ("fast", "1 gallon", "0gbit"):
-        with pytest.raises(ValueError, match="is invalid"):
-            parse_rate(bad)
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_arguments_give_sizes_in_bytes_and_the_line_rate_in_bytes_per_second():
+    sizes, ops, link_bytes_per_s = check_arguments(_args("--min-bytes", "4K", "--max-bytes", "64K", "--link", "1gbit"))
+    assert sizes == [4096, 16384, 65536] and ops == list(OPS)
+    assert link_bytes_per_s == 125e6  # busbw is in bytes/s, link rates in bits/s
+    assert check_arguments(_args("--link", "25GB/s"))[2] == 25e9
+    assert check_arguments(_args())[2] is None
+    with pytest.raises(ValueError, match="link rate 'fast' is invalid"):
+        check_arguments(_args("--link", "fast"))
+    with pytest.raises(ValueError, match="size 'lots' is invalid"):
+        check_arguments(_args("--max-bytes", "lots"))
 
 
 def test_size_ladder_spans_min_to_max():

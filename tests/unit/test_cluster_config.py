@@ -12,9 +12,9 @@ import pytest
 from poise import config as cfg
 from poise.cli import build_parser, main
 from poise.cli.flags import resolve
-from poise.cli.train import launcher_args
-from poise.cluster.links import Shaping, format_rate, parse_delay, parse_rate
+from poise.cluster.links import Shaping, link_delay_s, link_rate_bit_per_s
 from poise.cluster.state import ClusterState, validate_name, validate_shape
+from poise.launch.elastic import launcher_args
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -23,37 +23,37 @@ def parse(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize(
     ("text", "bit_per_s"),
-    [("500kbit", 500_000), ("100mbit", 10**8), ("1gbit", 10**9), ("10gbit", 10**10), ("2.5Gbit", 25 * 10**8),
-     (" 64kbit ", 64_000), ("100gbit", 10**11)],
+    [("500kbit", 500_000), ("1gbit", 10**9), (" 64kbit ", 64_000), ("100gbit", 10**11), ("1GB/s", 8 * 10**9),
+     ("0.0001234567gbit", 123_457)],
 )
-def test_rates_parse_in_bits_per_second(text, bit_per_s):
-    assert parse_rate(text) == bit_per_s
-    assert parse_rate(format_rate(bit_per_s)) == bit_per_s
+def test_link_rates_are_whole_bits_per_second(text, bit_per_s):
+    rate = link_rate_bit_per_s(text)
+    assert rate == bit_per_s and isinstance(rate, int)
 
 
 @pytest.mark.parametrize(
     ("text", "needle"),
-    [("1gbps", "is invalid: give a number and a unit"), ("fast", "is invalid"), ("", "is invalid"),
-     ("-1gbit", "is invalid"), ("10kbit", "outside the allowed 64kbit..100gbit"),
-     ("200gbit", "outside the allowed")],
+    [("1gbps", "link rate '1gbps' is invalid: give a number above 0 and a unit"), ("fast", "is invalid"),
+     ("", "is invalid"), ("-1gbit", "is invalid"), ("10kbit", "outside the allowed 64kbit..100gbit"),
+     ("200gbit", "outside the allowed"), ("25GB/s", "outside the allowed")],
 )
-def test_bad_rates_are_one_line_errors(text, needle):
+def test_bad_link_rates_are_one_line_errors(text, needle):
     with pytest.raises(ValueError, match=re.escape(needle)) as info:
-        parse_rate(text)
+        link_rate_bit_per_s(text)
     assert "\n" not in str(info.value) and repr(text) in str(info.value)
 
 
-def test_delays_parse_in_seconds():
-    assert parse_delay("") == 0.0
-    assert parse_delay("5ms") == pytest.approx(0.005)
-    assert parse_delay("250us") == pytest.approx(250e-6)
-    for bad in ("5", "5 sec", "11s"):
-        with pytest.raises(ValueError, match="link delay"):
-            parse_delay(bad)
+def test_link_delays_are_seconds_up_to_10():
+    assert link_delay_s("") == 0.0
+    assert link_delay_s("250us") == pytest.approx(250e-6)
+    assert link_delay_s("10s") == 10.0
+    for bad, needle in (("5", "link delay '5' is invalid"), ("11s", "link delay '11s' is outside the allowed 0..10s")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            link_delay_s(bad)
 
 
 def test_shaping_holds_a_gso_packet_and_a_millisecond_of_traffic():
-    slow, gbit, fast = (Shaping.for_rate(parse_rate(r)) for r in ("500kbit", "1gbit", "10gbit"))
+    slow, gbit, fast = (Shaping.for_rate(link_rate_bit_per_s(r)) for r in ("500kbit", "1gbit", "10gbit"))
     assert slow.burst_bytes == 64 * 1024  # never below one 64 KiB GSO segment
     assert gbit.burst_bytes == 125_000 and fast.burst_bytes == 1_250_000  # 1 ms at the rate
     for s in (slow, gbit, fast):

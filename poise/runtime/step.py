@@ -21,12 +21,12 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from poise.comm.probe import BucketProbe
+from poise.comm.state import CommState
 from poise.diagnostics.timeline import StepRecord
 from poise.runtime.slowdown import Slowdown
 from poise.tasks.base import Task
@@ -50,7 +50,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     probe: BucketProbe,
-    comm_state: Any,
+    comm_state: CommState,
     slowdown: Slowdown,
     grad_clip_norm: float,
     device: torch.device,
@@ -102,7 +102,7 @@ def train_step(
     loss_value = float(loss.detach())  # synchronises on CUDA; the step is over anyway
     t4 = time.perf_counter()
     stats = comm_state.step_stats()
-    inter_node = comm_state.inter_node_stats() if hasattr(comm_state, "inter_node_stats") else None
+    inter_node = comm_state.inter_node_stats()
 
     return StepRecord(
         step=step,
@@ -119,8 +119,8 @@ def train_step(
         loss=loss_value,
         raw_bytes=stats.raw_bytes,
         wire_bytes=stats.wire_bytes,
-        inter_node_raw_bytes=inter_node.raw_bytes if inter_node else 0,
-        inter_node_wire_bytes=inter_node.wire_bytes if inter_node else 0,
+        inter_node_raw_bytes=inter_node.raw_bytes,
+        inter_node_wire_bytes=inter_node.wire_bytes,
         codec_s=stats.encode_s + stats.decode_s,
         comm_busy_s=comm_busy_s,
         comm_hidden_s=comm_hidden_s,

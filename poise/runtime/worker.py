@@ -24,8 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from poise import checkpoint, optim
 from poise import config as config_mod
-from poise.comm import hooks as comm_hooks
+from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, instrumented
+from poise.comm.settle import settle_buckets
 from poise.config import RunConfig
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.timeline import Timeline, write_chrome_trace
@@ -107,9 +108,9 @@ def wrap_model(
     torch.manual_seed(config.train.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
     freeze(model, config.train.frozen_prefixes())
-    comm_hooks.check_backend(config.comm, ctx.backend)
+    comm_builder.check_backend(config.comm, ctx.backend)
     bucket_cap_mb = config.comm.bucket_mb
-    if comm_hooks.requires_single_bucket(config.comm):
+    if comm_builder.requires_single_bucket(config.comm):
         bucket_cap_mb = 2 * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
         log.info("comm.codec=%r needs a single bucket on gloo: bucket size %.1f MB instead of comm.bucket_mb",
                  config.comm.codec, bucket_cap_mb)
@@ -117,7 +118,7 @@ def wrap_model(
         model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb
     )
     probe = BucketProbe()  # host clock: this step times with perf_counter
-    hook, comm_state = comm_hooks.build(config.comm, start_step=compression_start)
+    hook, comm_state = comm_builder.build(config.comm, start_step=compression_start)
     # order matters: the emulated slowness must happen before the probe reads the clock
     ddp.register_comm_hook(comm_state, slowdown.wrap_hook(instrumented(hook, probe)))
     return ddp, probe, comm_state
@@ -194,7 +195,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
             with torch.random.fork_rng(devices=[]):  # leave every RNG as the checkpoint will set it
                 task.train_loss(ddp, task.collate([task.train_set[0]]).to(ctx.device)).backward()
 
-        comm_hooks.settle_buckets(ddp, comm_state, throwaway_step)
+        settle_buckets(ddp, comm_state, throwaway_step)
         state = checkpoint.load(config, resumed_from, manifest, rank=ctx.rank, world_size=ctx.world_size,
                                 model=ddp.module)
         checkpoint.restore(state, model=ddp.module, optimizer=optimizer, scheduler=scheduler, data=data,

@@ -27,7 +27,7 @@ Measured (code-lm, 300 steps, 2 workers, bits per byte against uncompressed Adam
   is the delay itself: error feedback sends a small entry only after it has piled up, so at
   1 % each entry moves about once per hundred steps. One worker alone, sending nothing, ends
   +2.7 %; top-k and random-k end below it (``poise bench codecs`` shows that ``alone`` row).
-  ``comm.local_first`` removes the delay of each rank's own share (poise/comm/hooks.py):
+  ``comm.local_first`` removes the delay of each rank's own share (poise/comm/wrappers.py):
   top-k +2.3 %, random-k +3.0 %.
 
 Entries whose gradient was zero through the warm-up (embedding rows of unseen tokens, border

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -54,8 +54,10 @@ from poise.balance.costs import AttentionCost, CostFn, as_cost_fn, linear_cost
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.sampler import DEFAULT_ALPHA, BalancedBatchSampler, StaticSchedule, make_sampler
 from poise.balance.weights import loss_weight
-from poise.comm import hooks as comm_hooks
+from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, comm_overlap, instrumented
+from poise.comm.settle import settle_buckets
+from poise.comm.state import CommState
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.clock import HostClock, clock_for
@@ -208,9 +210,9 @@ class Session:
 
     # -- set-up ----------------------------------------------------------------------------
 
-    def _wrap(self, model: nn.Module) -> tuple[DistributedDataParallel, Any]:
-        comm_hooks.check_backend(self.comm, self.backend)
-        single = comm_hooks.requires_single_bucket(self.comm)
+    def _wrap(self, model: nn.Module) -> tuple[DistributedDataParallel, CommState]:
+        comm_builder.check_backend(self.comm, self.backend)
+        single = comm_builder.requires_single_bucket(self.comm)
         size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         if isinstance(model, DistributedDataParallel):
             ddp = model
@@ -227,7 +229,7 @@ class Session:
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 bucket_cap_mb=bucket_cap_mb,
             )
-        hook, state = comm_hooks.build(self.comm, start_step=self.compression_start)
+        hook, state = comm_builder.build(self.comm, start_step=self.compression_start)
         # order matters: the emulated slowness must happen before the probe reads the clock
         ddp.register_comm_hook(state, self.slowdown.wrap_hook(instrumented(hook, self.probe)))
         return ddp, state
@@ -242,13 +244,17 @@ class Session:
     def settle_buckets(self, forward_backward: Callable[[], None]) -> None:
         """Before :meth:`load_state_dict` of a run with a lossy codec: one throw-away
         ``forward_backward`` (nothing changes) so DDP settles its bucket layout and restored
-        residuals land on the entries they were saved for (``poise.comm.hooks.settle_buckets``)."""
-        comm_hooks.settle_buckets(self.model, self.comm_state, forward_backward)
+        residuals land on the entries they were saved for (``poise.comm.settle``)."""
+        settle_buckets(self.model, self.comm_state, forward_backward)
 
     # -- steps -----------------------------------------------------------------------------
 
     def step(self, *, sync: bool | None = None) -> Step:
-        """The context of this rank's next training step: the batch the DataLoader just gave.
+        """Open this rank's next training step: the one of the batch the DataLoader just gave.
+
+        Use it as a context (``with session.step() as step:``, closed at the block's end) or
+        call :meth:`Step.end` yourself (adapters do, from their framework's hooks). The step's
+        clock starts now; its data time is the time the DataLoader took to produce the batch.
 
         ``sync``: whether this micro-batch ends its accumulation window (gradients are
         reduced; step the optimizer). None: every ``accum_steps``-th step does.
@@ -270,10 +276,29 @@ class Session:
         # Data time: since the batch was asked of the sampler (the DataLoader then fetches and
         # collates it), or since the last step ended if it was prefetched before that.
         since = max(handed_s, self._last_exit_s) if self._last_exit_s is not None else handed_s
-        return Step(self, index=self.steps_done, epoch=epoch, position=position, indices=batches[self.rank],
-                    weight=weight / self.accum_steps, sync=sync, data_since_s=since)
+        step = Step(self, index=self.steps_done, epoch=epoch, position=position, indices=batches[self.rank],
+                    weight=weight / self.accum_steps, sync=sync)
+        step._open(data_s=max(0.0, time.perf_counter() - since))
+        return step
 
-    def _close_step(self, step: Step, marks: _Marks) -> None:
+    def steps(self, loader: Iterable[Any]) -> Iterator[tuple[Step, Any]]:
+        """``(step, batch)`` for every batch of ``loader``, each step open while you train on its
+        batch: it ends when the loop asks for the next one (or leaves the loop). Replaces
+        ``for batch in loader:`` with one changed line; call ``step.backward(loss)``.
+        """
+        for batch in loader:
+            step = self.step()
+            try:
+                yield step, batch
+            except GeneratorExit:  # the loop was left with break (or an error) inside this step
+                if step.backward_done:
+                    step.end()
+                else:
+                    step.abort()
+                raise
+            step.end()
+
+    def _close_step(self, marks: _Marks) -> None:
         self._active = None
         self._last_exit_s = time.perf_counter()
         self._pending.append(marks)
@@ -389,7 +414,7 @@ def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> 
 
 
 class Step:
-    """One training step of one rank (from :meth:`Session.step`); use it as a context.
+    """One training step of one rank, open from :meth:`Session.step` until :meth:`end`.
 
     Attributes:
         index: steps (micro-batches) before this one in the run.
@@ -403,24 +428,26 @@ class Step:
     """
 
     def __init__(self, session: Session, *, index: int, epoch: int, position: int, indices: np.ndarray,
-                 weight: float, sync: bool, data_since_s: float) -> None:
+                 weight: float, sync: bool) -> None:
         self.session = session
         self.index, self.epoch, self.position = index, epoch, position
         self.indices, self.weight, self.sync = indices, weight, sync
         self.skipped = False
         self.loss: torch.Tensor | None = None
-        self._data_since_s = data_since_s
         self._no_sync: Any = None
         self._marks: _Marks | None = None
 
-    def __enter__(self) -> Step:
+    @property
+    def backward_done(self) -> bool:
+        """Whether :meth:`backward` ran in this step."""
+        return self._marks is not None and self._marks.backward_end is not None
+
+    def _open(self, data_s: float) -> None:
         s = self.session
         s._active = self
-        now = time.perf_counter()
-        data_s = max(0.0, now - self._data_since_s)
         s.probe.reset()
         s.comm_state.reset_step()
-        s.slowdown.mark_s = now
+        s.slowdown.mark_s = time.perf_counter()
         if not self.sync:
             # DDP's no_sync must cover the forward too: it arms (or not) the reduction there.
             self._no_sync = s.model.no_sync()
@@ -429,6 +456,8 @@ class Step:
         self._marks = _Marks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=s.clock.mark(),
                              indices=self.indices, samples=len(lengths), tokens=int(lengths.sum()),
                              padded_tokens=int(len(lengths) * lengths.max()) if len(lengths) else 0)
+
+    def __enter__(self) -> Step:
         return self
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None) -> None:
@@ -437,11 +466,11 @@ class Step:
         given the weighted loss; default ``loss.backward()``.
 
         Raises:
-            ValueError: outside the step's context, or a second time in one step.
+            ValueError: after the step ended, or a second time in one step.
         """
         s, m = self.session, self._marks
         if m is None or s._active is not self:
-            raise ValueError("step.backward() outside its `with session.step() as step:` block")
+            raise ValueError(f"step.backward() on step {self.index}, which has ended: open one with session.step()")
         if m.backward is not None:
             raise ValueError(f"step.backward() called twice in step {self.index}: once per step")
         s.slowdown.stretch()  # emulated slowness of the forward counts as this rank's compute
@@ -456,30 +485,48 @@ class Step:
         m.in_flight = list(s.probe.in_flight)
         self.loss = loss.detach()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def end(self) -> None:
+        """Close the step (after your optimizer step) and record it.
+
+        Raises:
+            ValueError: when the step is not open, or no :meth:`backward` ran in it (a plain
+                ``loss.backward()`` would leave the loss unweighted and the step untimed).
+        """
         s, m = self.session, self._marks
-        assert m is not None
-        if self._no_sync is not None:
-            self._no_sync.__exit__(exc_type, exc, tb)
-        if exc_type is not None:
-            s._active = None
-            return
+        if m is None or s._active is not self:
+            raise ValueError(f"step {self.index} is not open: end() once per session.step()")
+        self._leave_no_sync()
+        s._active = None
         if m.backward is None:
-            s._active = None
             what = (f"{s.probe.buckets_this_step} gradient buckets were reduced, so backward ran outside it: "
                     "call step.backward(loss), not loss.backward(), so the loss is weighted and timed"
                     if s.probe.buckets_this_step else "no backward ran")
             raise ValueError(f"step {self.index} ended without step.backward(loss): {what}")
         m.end = s.clock.mark()
-        stats = s.comm_state.step_stats()
-        inter = s.comm_state.inter_node_stats() if hasattr(s.comm_state, "inter_node_stats") else None
+        stats, inter = s.comm_state.step_stats(), s.comm_state.inter_node_stats()
         m.loss, m.skipped = self.loss, self.skipped
         m.raw_bytes, m.wire_bytes = stats.raw_bytes, stats.wire_bytes
+        m.inter_node_raw_bytes, m.inter_node_wire_bytes = inter.raw_bytes, inter.wire_bytes
         m.codec_s = stats.encode_s + stats.decode_s
-        if inter is not None:
-            m.inter_node_raw_bytes, m.inter_node_wire_bytes = inter.raw_bytes, inter.wire_bytes
-        s._close_step(self, m)
+        s._close_step(m)
+
+    def abort(self) -> None:
+        """Close the step without recording it (an error interrupted it)."""
+        self._leave_no_sync()
+        if self.session._active is self:
+            self.session._active = None
+
+    def _leave_no_sync(self) -> None:
+        if self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            self.abort()
+        else:
+            self.end()
 
 
 @dataclass

@@ -32,6 +32,7 @@ had not reached yet (:meth:`remaining_samples`) and plans only those over the ne
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -46,6 +47,9 @@ from poise.balance.sharding import plan_epoch, take_step
 
 # cost(L) = L + α·L² with α ≈ 1/(6·d_model): a prior for small transformers; pass your own.
 DEFAULT_ALPHA = 1e-3
+# more batches than any DataLoader prefetches, none claimed: the sampler runs without a session
+_UNCLAIMED_WARNING = 256
+log = logging.getLogger(__name__)
 
 
 class _EpochSampler(ABC):
@@ -79,6 +83,11 @@ class _EpochSampler(ABC):
             batch = self.global_batches(step)[self.rank]
             self.position += 1
             self.handed.append((self.epoch, step, time.perf_counter()))
+            if len(self.handed) == _UNCLAIMED_WARNING:
+                log.warning("%s: %d batches handed out and none trained through poise.Session: ranks' batches "
+                            "differ, so each rank's mean loss must be weighted by poise.balance.loss_weight("
+                            "sampler.global_batches(step), rank, loss_terms) for an unbiased gradient "
+                            "(poise.Session does it)", type(self).__name__, _UNCLAIMED_WARNING)
             yield batch.tolist()
 
     def steps_in_epochs(self, num_epochs: int) -> int:

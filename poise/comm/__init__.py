@@ -1,4 +1,11 @@
-"""How gradients move: gradient codecs, error feedback, reducers and the DDP comm hook.
+"""How gradients move: gradient codecs, error feedback, reducers, collectives and the DDP comm hook.
+
+The stack, outermost first: the hook DDP calls per bucket (``adapter.py``) → reducer wrappers
+(``wrappers.py``: local-first, hierarchical) → the codec's reducer (``reducers.py``) → the
+codec (``codecs/``) and a collective that only moves bytes (``collectives.py``). Every hook's
+state, poise's or torch's (``torch_hooks.py``), is a :class:`CommState` (``state.py``);
+``builder.py`` turns a ``CommConfig`` into ``(hook, state)`` through its one registry, and
+``settle.py`` replays the bucket layout on resume.
 
 Compress DDP's gradients in your own training script::
 
@@ -17,14 +24,16 @@ Compress DDP's gradients in your own training script::
 
 Codecs by name: ``poise.comm.codecs.make(name, **options)`` (names in ``codecs.CODECS``).
 The first ``start_step`` (2) steps run uncompressed, because DDP rebuilds its buckets after
-step 1. ``poise.comm.hooks.build(config)`` does the same from a ``CommConfig``. With ``sign``
+step 1. ``poise.comm.build(config)`` does the same from a ``CommConfig``. With ``sign``
 and Adam, freeze Adam's second moment when compression starts: ``poise.optim.AdamW``.
 """
 
 from poise.comm import codecs
+from poise.comm.adapter import HookState, hook, make_state
+from poise.comm.builder import build
 from poise.comm.codecs import Codec, Encoded, ErrorFeedback, NonFiniteGradientError
-from poise.comm.hooks import HookState, build, hook
-from poise.comm.reducers import StepStats
+from poise.comm.settle import settle_buckets
+from poise.comm.state import CommState, StepStats
 
-__all__ = ["Codec", "Encoded", "ErrorFeedback", "HookState", "NonFiniteGradientError", "StepStats", "build",
-           "codecs", "hook"]
+__all__ = ["Codec", "CommState", "Encoded", "ErrorFeedback", "HookState", "NonFiniteGradientError", "StepStats",
+           "build", "codecs", "hook", "make_state", "settle_buckets"]

@@ -1,10 +1,13 @@
 """Collective algorithms behind one interface: flat, ring, tree and hierarchical all-reduce.
 
-Every algorithm is a :class:`Collective` with ``all_reduce(tensor, key=None)`` (sum over the
-group, in place, returned as a future of ``tensor``) and ``all_gather(out, tensor)`` (every
-rank's equal-sized ``tensor`` into ``out``, in rank order). Reducers (``reducers.py``) take
-one, so every codec runs over every algorithm. The algorithms, with their cost for ``n``
-ranks, ``S`` bytes, link latency ``a`` (seconds) and time per byte ``b`` (seconds/byte):
+Every algorithm is a :class:`Collective` with ``all_reduce(tensor)`` (sum over the group, in
+place, returned as a future of ``tensor``) and ``all_gather(out, tensor)`` (every rank's
+equal-sized ``tensor`` into ``out``, in rank order). Collectives only move bytes: they know
+no codec and hold no reducer. Reducers (``reducers.py``) take one, so every codec runs over
+every algorithm; compressing only between nodes is a reducer wrapper
+(``wrappers.HierarchicalReducer``) built on :class:`Hierarchical`'s node phases. The
+algorithms, with their cost for ``n`` ranks, ``S`` bytes, link latency ``a`` (seconds) and
+time per byte ``b`` (seconds/byte):
 
 - :class:`Flat`: the backend's own all-reduce (gloo's ring, NCCL's ring/tree). The baseline.
 - :class:`Ring`: reduce-scatter then all-gather over point-to-point sends, ``2(n-1)`` steps of
@@ -16,10 +19,10 @@ ranks, ``S`` bytes, link latency ``a`` (seconds) and time per byte ``b`` (second
   not a power of two first folds its extra ranks into partners and hands them the result at
   the end (two more steps).
 - :class:`Hierarchical`: sum inside each node onto its leader over a local group, all-reduce
-  among one leader per node (optionally through any codec, with error feedback at the
-  leader), broadcast inside the node, pipelined over segments. Only ``S`` bytes per *node* cross the slow inter-node
-  links instead of ``S`` per rank. Node membership comes from torchrun's ``GROUP_RANK`` and
-  ``LOCAL_RANK``, gathered from every rank (:class:`Topology`).
+  among one leader per node, broadcast inside the node, pipelined over segments. Only ``S``
+  bytes per *node* cross the slow inter-node links instead of ``S`` per rank. Node
+  membership comes from torchrun's ``GROUP_RANK`` and ``LOCAL_RANK``, gathered from every
+  rank (:class:`Topology`).
 - :class:`Auto`: chooses per message (the rule is in its docstring).
 
 Threading. Multi-step algorithms (ring, tree, hierarchical) run on one communication thread
@@ -41,7 +44,9 @@ communicators are per process group too; not yet run on GPUs):
    order, so it cannot wait for something that depends on the caller's thread: there is no
    cycle, hence no deadlock. DDP waits for the futures at the end of ``backward()``.
 3. Callbacks chained on the returned future (a reducer's decode) run on the thread that
-   completes it, and they only compute locally.
+   completes it, and they only compute locally. (``wrappers.HierarchicalReducer`` runs a
+   whole job on the thread, the inter-node reducer included, and waits for that reducer's
+   future there, never in a callback.)
 
 On CUDA the job first waits for the caller's stream (an event recorded at submission), and
 the thread synchronizes its own stream before completing the future, so the consumer sees the
@@ -53,8 +58,8 @@ from __future__ import annotations
 import abc
 import itertools
 import logging
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -63,10 +68,6 @@ from poise.comm.topology import CommThread, NodeLayout, Topology
 
 __all__ = ["COLLECTIVES", "Auto", "Collective", "CommThread", "Flat", "Hierarchical", "NodeLayout", "Ring", "Topology",
            "Tree", "make"]
-
-if TYPE_CHECKING:
-    from poise.comm.codecs.lowrank import Shapes
-    from poise.comm.reducers import Reducer
 
 log = logging.getLogger(__name__)
 
@@ -92,23 +93,31 @@ class Collective(abc.ABC):
     def world_size(self) -> int:
         """Number of ranks taking part."""
 
+    @classmethod
     @abc.abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None,
-                   shapes: Shapes | None = None) -> Future[torch.Tensor]:
+    def create(cls, group: dist.ProcessGroup | None, topology: Callable[[], Topology], *, segment_bytes: int,
+               small_bytes: int) -> Collective:
+        """The algorithm from :func:`make`'s arguments; ``topology()`` gives the shared groups
+        and thread (discovering them, a collective call, the first time); flat never calls it."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
         """Future of ``tensor`` after it was overwritten with the sum over the group.
 
         Args:
             tensor: flat and contiguous; every rank passes the same numel and dtype.
-            key: identifies the tensor across calls (DDP's bucket index); only a collective
-                that compresses (hierarchical with a codec) keeps per-key state with it.
-            shapes: shapes of the tensors ``tensor`` concatenates, if known; only a
-                compressing collective uses them (PowerSGD compresses each matrix).
         """
 
     @abc.abstractmethod
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Future[torch.Tensor]:
         """Future of ``out`` (``world_size * tensor.numel()`` entries) holding every rank's
         flat ``tensor`` in rank order."""
+
+    def as_hierarchical(self) -> Hierarchical | None:
+        """The :class:`Hierarchical` algorithm this collective sums every message with
+        (hierarchical itself, or auto where its rule picks it for every size), or None; with
+        one, a codec compresses only between nodes (``wrappers.compose``)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size})"
@@ -126,12 +135,16 @@ class Flat(Collective):
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
 
+    @classmethod
+    def create(cls, group: dist.ProcessGroup | None, topology: Callable[[], Topology], *, segment_bytes: int,
+               small_bytes: int) -> Flat:
+        return cls(group)
+
     @property
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None,
-                   shapes: Shapes | None = None) -> Future[torch.Tensor]:
+    def all_reduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return work.get_future().then(_resolve_to(tensor))
 
@@ -170,16 +183,15 @@ class _ThreadedCollective(Collective):
     def world_size(self) -> int:
         return self.topology.world_size
 
-    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None,
-                   shapes: Shapes | None = None) -> Future[torch.Tensor]:
-        return self.topology.thread.submit(lambda: self._all_reduce(tensor, key, shapes), tensor.device)
+    def all_reduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
+        return self.topology.thread.submit(lambda: self._all_reduce(tensor), tensor.device)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Future[torch.Tensor]:
         assert out.numel() == tensor.numel() * self.world_size, (out.shape, tensor.shape)
         return self.topology.thread.submit(lambda: self._all_gather(out, tensor), tensor.device)
 
     @abc.abstractmethod
-    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The blocking algorithm, run on the communication thread."""
 
     @abc.abstractmethod
@@ -187,7 +199,23 @@ class _ThreadedCollective(Collective):
         """The blocking algorithm, run on the communication thread."""
 
 
-class Ring(_ThreadedCollective):
+class _Segmented(_ThreadedCollective):
+    """A threaded collective that sends its messages in pipelined segments of ``segment_bytes``."""
+
+    def __init__(self, topology: Topology, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        super().__init__(topology)
+        if segment_bytes <= 0:
+            raise ValueError(f"segment_bytes={segment_bytes} must be positive")
+        self.segment_bytes = segment_bytes
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup | None, topology: Callable[[], Topology], *, segment_bytes: int,
+               small_bytes: int) -> Collective:
+        _require_world(cls.name, group)
+        return cls(topology(), segment_bytes)
+
+
+class Ring(_Segmented):
     """Ring all-reduce: reduce-scatter then all-gather, ``2(n-1)`` neighbour steps.
 
     Args:
@@ -197,12 +225,6 @@ class Ring(_ThreadedCollective):
     """
 
     name: ClassVar[str] = "ring"
-
-    def __init__(self, topology: Topology, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
-        super().__init__(topology)
-        if segment_bytes <= 0:
-            raise ValueError(f"segment_bytes={segment_bytes} must be positive")
-        self.segment_bytes = segment_bytes
 
     def _segments(self, lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
         per = max(1, self.segment_bytes // itemsize)
@@ -233,7 +255,7 @@ class Ring(_ThreadedCollective):
         for work in works[len(recv_spans):] if separate else ():
             work.wait()
 
-    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         n, rank = self.world_size, self.topology.rank
         if n == 1 or tensor.numel() == 0:
             return tensor
@@ -281,6 +303,12 @@ class Tree(_ThreadedCollective):
 
     name: ClassVar[str] = "tree"
 
+    @classmethod
+    def create(cls, group: dist.ProcessGroup | None, topology: Callable[[], Topology], *, segment_bytes: int,
+               small_bytes: int) -> Tree:
+        _require_world(cls.name, group)
+        return cls(topology())
+
     def _exchange(self, send: torch.Tensor, send_to: int, recv: torch.Tensor, recv_from: int) -> None:
         group = self.topology.world_group
         ops = [dist.P2POp(dist.irecv, recv, group=group, group_peer=recv_from),
@@ -288,7 +316,7 @@ class Tree(_ThreadedCollective):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
-    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         n, rank = self.world_size, self.topology.rank
         if n == 1 or tensor.numel() == 0:
             return tensor
@@ -347,50 +375,43 @@ class Tree(_ThreadedCollective):
 # -- hierarchical -------------------------------------------------------------------------------
 
 
-class Hierarchical(_ThreadedCollective):
+class Hierarchical(_Segmented):
     """Sum onto each node's leader, all-reduce among leaders, broadcast inside each node.
 
-    Uncompressed, the three phases are pipelined over segments: while segment ``i`` crosses
-    between nodes, segment ``i + 1`` is being summed inside the node and segment ``i - 1``
-    broadcast, so the slow inter-node step hides the fast local ones. With a codec the whole
-    tensor is encoded at once (a codec's choices, such as top-k's, are over the whole bucket).
+    The three phases are pipelined over segments: while segment ``i`` crosses between nodes,
+    segment ``i + 1`` is being summed inside the node and segment ``i - 1`` broadcast, so the
+    slow inter-node step hides the fast local ones. :meth:`reduce_in_node` and
+    :meth:`broadcast_in_node` are the node phases on whole tensors, for a reducer that puts
+    its own inter-node step between them (``wrappers.HierarchicalReducer``).
 
     Args:
         topology: node layout, groups and thread (see :class:`Topology`).
-        inter_node: how leaders sum the node totals: None for the backend's all-reduce over the
-            leader group, or a reducer on that group (``reducers.make_reducer(codec,
-            topology.leader_group)``) to compress the inter-node step; its error feedback then
-            lives at the leader, and its result is ``sum over nodes of decode(encode(node
-            sum))`` for a summable codec.
-        segment_bytes: pipeline segment of the uncompressed path, bytes.
-        compressed: whether the inter-node step goes through a reducer. It must be the same
-            on every rank, leaders or not, because the two paths post different operations
-            inside the node (whole tensors, not segments); default: ``inter_node is not None``.
+        segment_bytes: pipeline segment, bytes.
     """
 
     name: ClassVar[str] = "hierarchical"
 
-    def __init__(self, topology: Topology, inter_node: Reducer | None = None,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, compressed: bool | None = None) -> None:
-        super().__init__(topology)
-        if segment_bytes <= 0:
-            raise ValueError(f"segment_bytes={segment_bytes} must be positive")
-        self.inter_node = inter_node
-        self.segment_bytes = segment_bytes
-        self.compressed = inter_node is not None if compressed is None else compressed
-        if self.compressed and topology.is_leader and topology.layout.num_nodes > 1 and inter_node is None:
-            raise ValueError("a compressing hierarchical all-reduce needs the inter-node reducer on every leader")
+    def as_hierarchical(self) -> Hierarchical:
+        return self
 
-    def with_inter_node(self, inter_node: Reducer | None) -> Hierarchical:
-        """The same topology (groups, thread) and segments, compressing between nodes through
-        ``inter_node``: call it on every rank, with the reducer on leaders and None elsewhere."""
-        return Hierarchical(self.topology, inter_node, self.segment_bytes, compressed=True)
+    def reduce_in_node(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over this node's ranks onto its leader (the other ranks' copies are
+        left as the backend leaves them). Blocking: call on ``topology.thread`` only, in the
+        same order on every rank of the node."""
+        topo = self.topology
+        if len(topo.node_ranks) > 1:
+            dist.reduce(tensor, dst=topo.node_ranks[0], group=topo.local_group)
 
-    def _all_reduce(self, tensor: torch.Tensor, key: Hashable | None, shapes: Shapes | None) -> torch.Tensor:
+    def broadcast_in_node(self, tensor: torch.Tensor) -> None:
+        """Copy the leader's ``tensor`` to every rank of its node. Blocking: call on
+        ``topology.thread`` only, in the same order on every rank of the node."""
+        topo = self.topology
+        if len(topo.node_ranks) > 1:
+            dist.broadcast(tensor, src=topo.node_ranks[0], group=topo.local_group)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.numel() == 0:
             return tensor
-        if self.compressed:
-            return self._all_reduce_compressed(tensor, key, shapes)
         topo = self.topology
         flat = tensor.view(-1)
         per = max(1, self.segment_bytes // flat.element_size())
@@ -422,19 +443,6 @@ class Hierarchical(_ThreadedCollective):
         if not local:
             return None
         return dist.broadcast(segment, src=leader, group=self.topology.local_group, async_op=True)
-
-    def _all_reduce_compressed(self, tensor: torch.Tensor, key: Hashable | None,
-                               shapes: Shapes | None) -> torch.Tensor:
-        topo = self.topology
-        leader, local = topo.node_ranks[0], len(topo.node_ranks) > 1
-        if local:
-            dist.reduce(tensor, dst=leader, group=topo.local_group)
-        if topo.is_leader and topo.layout.num_nodes > 1:
-            # waited for here, on the communication thread, never in a callback
-            self.inter_node.reduce(tensor.view(-1), key=key, weight=1.0, shapes=shapes).wait()
-        if local:
-            dist.broadcast(tensor, src=leader, group=topo.local_group)
-        return tensor
 
     def _all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         topo = self.topology
@@ -494,6 +502,15 @@ class Auto(Collective):
         self.hierarchical = (Hierarchical(topology, segment_bytes=segment_bytes)
                              if layout.num_nodes > 1 and layout.max_ranks_per_node > 1 else None)
 
+    @classmethod
+    def create(cls, group: dist.ProcessGroup | None, topology: Callable[[], Topology], *, segment_bytes: int,
+               small_bytes: int) -> Auto:
+        _require_world(cls.name, group)
+        return cls(topology(), small_bytes, segment_bytes)
+
+    def as_hierarchical(self) -> Hierarchical | None:
+        return self.hierarchical
+
     @property
     def world_size(self) -> int:
         return self.topology.world_size
@@ -506,9 +523,8 @@ class Auto(Collective):
             return self.tree
         return self.flat
 
-    def all_reduce(self, tensor: torch.Tensor, *, key: Hashable | None = None,
-                   shapes: Shapes | None = None) -> Future[torch.Tensor]:
-        return self.choose(tensor.numel() * tensor.element_size()).all_reduce(tensor, key=key, shapes=shapes)
+    def all_reduce(self, tensor: torch.Tensor) -> Future[torch.Tensor]:
+        return self.choose(tensor.numel() * tensor.element_size()).all_reduce(tensor)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> Future[torch.Tensor]:
         return self.choose(out.numel() * out.element_size()).all_gather(out, tensor)
@@ -540,13 +556,10 @@ def make(name: str, group: dist.ProcessGroup | None = None, *, topology: Topolog
     """
     if name not in COLLECTIVES:
         raise ValueError(f"collective {name!r} is unknown: allowed are {', '.join(COLLECTIVES)}")
-    if name == "flat":
-        return Flat(group)
+    return COLLECTIVES[name].create(group, lambda: topology if topology is not None else Topology.discover(),
+                                    segment_bytes=segment_bytes, small_bytes=small_bytes)
+
+
+def _require_world(name: str, group: dist.ProcessGroup | None) -> None:
     if group is not None and group is not dist.group.WORLD:
         raise ValueError(f"collective {name!r} runs on the whole default group only; use 'flat' on a subgroup")
-    topology = topology or Topology.discover()
-    if name == "tree":
-        return Tree(topology)
-    if name == "auto":
-        return Auto(topology, small_bytes, segment_bytes)
-    return COLLECTIVES[name](topology, segment_bytes=segment_bytes)

@@ -1,6 +1,6 @@
 """Reducers: move a codec's payloads between ranks and return the reduced gradient.
 
-A reducer owns no compression math (codecs do) and knows nothing of DDP (``hooks.py`` does).
+A reducer owns no compression math (codecs do) and knows nothing of DDP (``adapter.py`` does).
 ``reduce(tensor, key=..., weight=..., shapes=...)`` returns a future of ``sum_r w_r x_r`` over
 the ranks of the group, where ``w_r`` is the ``weight`` rank r passed, or ``1 / world_size`` for
 all if None (the mean, as DDP computes it). ``shapes`` are the shapes of the tensors the flat
@@ -15,10 +15,12 @@ the codec, never from a flag (:func:`make_reducer`):
 3. :class:`LowRankReducer`: PowerSGD's two all-reduce rounds (P and the uncompressed
    entries, then Q), one low-rank block per weight matrix.
 
-Every reducer moves its payloads through a :class:`~poise.comm.collectives.Collective`
+Every codec reducer moves its payloads through a :class:`~poise.comm.collectives.Collective`
 (``collective=``; default :class:`~poise.comm.collectives.Flat`, the backend's own
 all-reduce and all-gather on ``group``), so each codec runs over ring, tree or hierarchical
-algorithms too. (:class:`LowRankReducer` keeps the backend's all-reduce.)
+algorithms too. (:class:`LowRankReducer` keeps the backend's all-reduce.) Algorithms that
+change *what* is reduced, such as compressing only between nodes or keeping a rank's own
+unsent gradient, wrap any :class:`Reducer` (``wrappers.py``).
 
 Threading: collectives are launched in the caller's thread, in call order (DDP calls a hook
 per bucket in the same order on every rank), with ``async_op=True``. PowerSGD waits for round 1
@@ -30,10 +32,8 @@ there is more than one bucket.
 from __future__ import annotations
 
 import abc
-import threading
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,61 +43,41 @@ from poise.comm.codecs.base import Buffers
 from poise.comm.codecs.cast import IdentityCodec
 from poise.comm.codecs.lowrank import PowerSGDCodec, Shapes
 from poise.comm.collectives import Collective, Flat
+from poise.comm.state import Counters
 
 Future = torch.futures.Future
 
 _ALIGN_BYTES = 8  # each rank's packed payload is padded to this, so every part stays aligned
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """Communication counters of one rank over one step (since the last reset).
-
-    Attributes:
-        raw_bytes: gradient bytes handed to the reducers.
-        wire_bytes: bytes this rank put into collectives (its own payloads, padding included).
-        encode_s: seconds spent encoding, on the calling (autograd) thread.
-        decode_s: seconds spent decoding, in future callbacks.
-        buckets: number of buckets reduced.
-    """
-
-    raw_bytes: int = 0
-    wire_bytes: int = 0
-    encode_s: float = 0.0
-    decode_s: float = 0.0
-    buckets: int = 0
-
-    @property
-    def compression_ratio(self) -> float:
-        """raw_bytes / wire_bytes (1.0 when nothing was sent)."""
-        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
-
-
-class Counters:
-    """Accumulates :class:`StepStats`; safe to update from callback threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stats = StepStats()
-
-    def add(self, *, raw_bytes: int = 0, wire_bytes: int = 0, encode_s: float = 0.0, decode_s: float = 0.0,
-            buckets: int = 0) -> None:
-        with self._lock:
-            s = self._stats
-            self._stats = StepStats(s.raw_bytes + raw_bytes, s.wire_bytes + wire_bytes, s.encode_s + encode_s,
-                                    s.decode_s + decode_s, s.buckets + buckets)
-
-    def snapshot(self) -> StepStats:
-        with self._lock:
-            return self._stats
-
-    def reset(self) -> None:
-        with self._lock:
-            self._stats = StepStats()
-
-
 class Reducer(abc.ABC):
-    """Sum pre-weighted tensors over a process group through a codec.
+    """Sums pre-weighted tensors over the ranks of a group (the interface wrappers keep too)."""
+
+    @abc.abstractmethod
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
+               shapes: Shapes | None = None) -> Future[torch.Tensor]:
+        """Future of ``sum_r w_r tensor_r`` (see the module docstring), written into ``tensor``.
+
+        Args:
+            tensor: a flat, contiguous gradient; overwritten (scaled, then the result).
+            key: identifies the tensor across calls (DDP's bucket index): per-key buffers,
+                residuals and warm starts. Every rank must call with the same keys in the
+                same order.
+            weight: this rank's factor ``w_r``; None means ``1 / world_size`` on every rank.
+            shapes: shapes of the tensors ``tensor`` is the concatenation of, if known.
+        """
+
+
+def prescale(tensor: torch.Tensor, weight: float | None, world_size: int) -> None:
+    """Multiply ``tensor`` in place by ``weight``, or divide it by ``world_size`` if None."""
+    if weight is None:
+        tensor.div_(world_size)  # div_, not mul_(1/n): bit-identical to plain DDP
+    else:
+        tensor.mul_(weight)
+
+
+class CodecReducer(Reducer):
+    """A reduction strategy for one codec over one group.
 
     Args:
         codec: the codec (possibly wrapped in :class:`ErrorFeedback`).
@@ -118,28 +98,14 @@ class Reducer(abc.ABC):
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    @abc.abstractmethod
-    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
-               shapes: Shapes | None = None) -> Future[torch.Tensor]:
-        """Future of ``sum_r w_r tensor_r`` (see the module docstring), written into ``tensor``.
-
-        Args:
-            tensor: a flat, contiguous gradient; overwritten (scaled, then the result).
-            key: identifies the tensor across calls (DDP's bucket index): per-key buffers,
-                residuals and warm starts. Every rank must call with the same keys in the
-                same order.
-            weight: this rank's factor ``w_r``; None means ``1 / world_size`` on every rank.
-            shapes: shapes of the tensors ``tensor`` is the concatenation of, if known.
-        """
-
     def _prescale(self, tensor: torch.Tensor, weight: float | None) -> None:
-        if weight is None:
-            tensor.div_(self.world_size)  # div_, not mul_(1/n): bit-identical to plain DDP
-        else:
-            tensor.mul_(weight)
+        prescale(tensor, weight, self.world_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.codec!r} over {self.collective!r})"
 
 
-class AllReduceReducer(Reducer):
+class AllReduceReducer(CodecReducer):
     """Summable codecs: one all-reduce of the single payload tensor, then one decode."""
 
     def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
@@ -151,7 +117,7 @@ class AllReduceReducer(Reducer):
         (payload,) = encoded.tensors
         self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=self.codec.nbytes(encoded),
                           encode_s=time.perf_counter() - start, buckets=1)
-        summed = self.collective.all_reduce(payload, key=key, shapes=shapes)
+        summed = self.collective.all_reduce(payload)
 
         def decode(fut: Future[torch.Tensor]) -> torch.Tensor:
             fut.wait()  # re-raises a failed collective
@@ -163,7 +129,7 @@ class AllReduceReducer(Reducer):
         return summed.then(decode)
 
 
-class AllGatherReducer(Reducer):
+class AllGatherReducer(CodecReducer):
     """Non-summable codecs: all-gather every rank's packed payload; decode and sum locally."""
 
     def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
@@ -189,7 +155,7 @@ class AllGatherReducer(Reducer):
         return gathered.then(decode)
 
 
-class LowRankReducer(Reducer):
+class LowRankReducer(CodecReducer):
     """PowerSGD: all-reduce [P = M Q | dense], orthonormalize, all-reduce Q = M^T P, decode P Q^T.
 
     One block per weight matrix of the bucket (``shapes``); entries not worth compressing ride
@@ -252,7 +218,7 @@ class LowRankReducer(Reducer):
 
 
 def make_reducer(codec: Codec, group: dist.ProcessGroup | None = None, counters: Counters | None = None,
-                 collective: Collective | None = None) -> Reducer:
+                 collective: Collective | None = None) -> CodecReducer:
     """The reducer a codec needs: low-rank for PowerSGD, all-reduce if summable, else all-gather.
 
     ``collective`` moves the payloads of the all-reduce and all-gather paths (None: flat).

@@ -254,7 +254,7 @@ class CommConfig:
     )
     local_first: bool = _field(
         False, "each rank applies its own gradient whole at once; error feedback then delays only what the "
-        "other ranks send (ranks' weights differ by their unsent residuals; see poise/comm/hooks.py)"
+        "other ranks send (ranks' weights differ by their unsent residuals; see poise/comm/wrappers.py)"
     )
     on_nonfinite: str = _field("error", "NaN/Inf in a gradient: 'error' stops, 'skip' skips the step and logs")
     freeze_variance: str = _field(

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from poise.balance.costs import AttentionCost
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.sampler import BalancedBatchSampler
-from poise.comm import hooks as comm_hooks
+from poise.comm import builder as comm_builder
 from poise.config import CommConfig
 from poise.balance.weights import loss_weight as loss_scale
 from poise.tasks.code_lm import ByteTransformer, code_lm_loss, collate_bytes
@@ -39,7 +39,7 @@ def _unequal_split_gradient(rank: int, world_size: int, codec: str):
     batches = [np.array(b) for b in SPLIT]
     ddp = DistributedDataParallel(_model())
     if codec != "ddp":
-        hook, state = comm_hooks.build(CommConfig(codec=codec, start_step=0, error_feedback=False))
+        hook, state = comm_builder.build(CommConfig(codec=codec, start_step=0, error_feedback=False))
         ddp.register_comm_hook(state, hook)
     batch = collate_bytes([samples[i] for i in SPLIT[rank]])
     (code_lm_loss(ddp, batch) * loss_scale(batches, rank, targets)).backward()

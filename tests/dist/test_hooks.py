@@ -15,9 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 import poise.comm
 from poise.comm import codecs
+from poise.comm.builder import build, check_backend, requires_single_bucket
 from poise.comm.codecs import ErrorFeedback
-from poise.comm.hooks import build, check_backend, requires_single_bucket
-from poise.comm.reducers import StepStats, make_reducer
+from poise.comm.reducers import make_reducer
+from poise.comm.state import StepStats
 from poise.config import CODEC_NAMES, CommConfig
 from tests.harness import run_ranks
 

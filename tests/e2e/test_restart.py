@@ -133,7 +133,7 @@ def test_accumulating_two_half_batches_trains_like_one_full_batch(tmp_path):
 def test_compressed_run_resumes_exactly(tmp_path, codec):
     """Error-feedback residuals, PowerSGD's warm starts, the hook's step count and AdamW's
     frozen second moment (sign) all survive a restart, and DDP's buckets are back in the
-    layout they were saved in before the first compressed step (hooks.settle_buckets): 22
+    layout they were saved in before the first compressed step (settle.settle_buckets): 22
     optimizer steps, compression from step 4 on, the resume at micro-batch 27 (optimizer step
     13, inside an accumulation window)."""
     job = (*JOB, "--codec", codec)

@@ -143,22 +143,11 @@ def describe_cycle(graph: Graph, component: list[str]) -> str:
     raise AssertionError(f"{component} is not strongly connected")
 
 
-def _cycles(inside_comm: bool) -> list[str]:
+def test_no_import_cycles():
     graph = import_graph()
-    return [describe_cycle(graph, c) for c in strongly_connected(graph)
-            if all(m.startswith("poise.comm.") or m == "poise.comm" for m in c) == inside_comm]
-
-
-def test_no_import_cycles_outside_comm():
-    cycles = _cycles(inside_comm=False)
+    cycles = [describe_cycle(graph, c) for c in strongly_connected(graph)]
     assert not cycles, "import cycles: " + "; ".join(cycles)
 
-
-@pytest.mark.xfail(strict=False, reason="poise.comm.collectives <-> poise.comm.reducers (a TYPE_CHECKING import): "
-                                        "the comm restructuring in progress removes it")
-def test_no_import_cycles_in_comm():
-    cycles = _cycles(inside_comm=True)
-    assert not cycles, "import cycles: " + "; ".join(cycles)
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:

@@ -107,6 +107,8 @@ class Session:
         total_steps: optimizer steps the run will take, if known: lossy codecs start after a
             twentieth of it (see ``CommConfig.compression_start``).
         lr_warmup_steps: your learning-rate warm-up, in optimizer steps (same rule).
+        backward: how :meth:`Step.backward` runs backward on the weighted loss when it is not
+            given one (``accelerator.backward``, a grad scaler's); default ``loss.backward()``.
         rank, world_size: optional; when given they must match the process group.
 
     Raises:
@@ -135,6 +137,7 @@ class Session:
         accum_steps: int = 1,
         total_steps: int | None = None,
         lr_warmup_steps: int = 0,
+        backward: Callable[[torch.Tensor], Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -155,6 +158,7 @@ class Session:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.accum_steps, self.total_steps = accum_steps, total_steps
         self.backend = str(dist.get_backend())
+        self.backward = backward
 
         self.loss_terms = None if loss_terms is None else np.asarray(loss_terms, dtype=np.float64)
         if sampler is not None:
@@ -463,7 +467,7 @@ class Step:
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None) -> None:
         """Weight ``loss`` (the mean over this rank's batch) and run backward; gradients are
         communicated here. ``backward``: your own backward call (``accelerator.backward``),
-        given the weighted loss; default ``loss.backward()``.
+        given the weighted loss; default: the session's ``backward``, else ``loss.backward()``.
 
         Raises:
             ValueError: after the step ended, or a second time in one step.
@@ -476,10 +480,11 @@ class Step:
         s.slowdown.stretch()  # emulated slowness of the forward counts as this rank's compute
         m.backward = s.clock.mark()
         weighted = loss * self.weight
-        if backward is None:
+        run = backward or s.backward
+        if run is None:
             weighted.backward()
         else:
-            backward(weighted)
+            run(weighted)
         m.backward_end = s.clock.mark()
         m.ready = s.probe.last_ready
         m.in_flight = list(s.probe.in_flight)

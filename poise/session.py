@@ -34,6 +34,7 @@ Example (under ``torchrun --nproc-per-node 2``)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -93,8 +94,9 @@ class Session:
         batch_tokens: instead, padded tokens per rank per step.
         batch_cost: instead, cost units per step over all ranks together (cost, dynamic).
         balance: ``static`` | ``cost`` | ``dynamic``, or a :class:`~poise.config.BalanceConfig`.
-            With ``rank_speed`` in it (``"1:0.5"``), that rank is slowed to emulate a slower
-            device (an emulation, for trying balancing on one machine).
+        rank_speed: ``RANK:SPEED,...`` (``"1:0.5"``): slow those ranks to that fraction of their
+            speed, to emulate slower devices and try balancing on one machine (an emulation:
+            a CPU quota, or sleeps in proportion to compute). Same as ``BalanceConfig.rank_speed``.
         comm: a codec name (``none``, ``fp16``, ``topk``, ``powersgd``, ...) or a
             :class:`~poise.config.CommConfig` (codec, error feedback, collective, buckets).
         diagnostics: how often figures are gathered to rank 0 (a ``DiagnosticsConfig``).
@@ -129,6 +131,7 @@ class Session:
         batch_tokens: int | None = None,
         batch_cost: float | None = None,
         balance: str | BalanceConfig = "cost",
+        rank_speed: str = "",
         comm: str | CommConfig = "none",
         diagnostics: DiagnosticsConfig | None = None,
         out_dir: str | Path | None = None,
@@ -153,6 +156,11 @@ class Session:
         if accum_steps < 1:
             raise ValueError(f"accum_steps={accum_steps} must be >= 1")
         self.balance = BalanceConfig(strategy=balance) if isinstance(balance, str) else balance
+        if rank_speed:
+            if self.balance.rank_speed and self.balance.rank_speed != rank_speed:
+                raise ValueError(f"rank_speed={rank_speed!r} but balance.rank_speed={self.balance.rank_speed!r}: "
+                                 "give one of them")
+            self.balance = dataclasses.replace(self.balance, rank_speed=rank_speed)
         self.comm = CommConfig(codec=comm) if isinstance(comm, str) else comm
         self.diagnostics = diagnostics or DiagnosticsConfig()
         self.out_dir = Path(out_dir) if out_dir is not None else None

@@ -10,9 +10,9 @@ from torch.nn.parallel import DistributedDataParallel
 from poise.balance.costs import AttentionCost
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.sampler import BalancedBatchSampler
+from poise.balance.weights import loss_weight
 from poise.comm import builder as comm_builder
 from poise.config import CommConfig
-from poise.balance.weights import loss_weight as loss_scale
 from poise.tasks.code_lm import ByteTransformer, code_lm_loss, collate_bytes
 from tests.harness import run_ranks
 
@@ -42,7 +42,7 @@ def _unequal_split_gradient(rank: int, world_size: int, codec: str):
         hook, state = comm_builder.build(CommConfig(codec=codec, start_step=0, error_feedback=False))
         ddp.register_comm_hook(state, hook)
     batch = collate_bytes([samples[i] for i in SPLIT[rank]])
-    (code_lm_loss(ddp, batch) * loss_scale(batches, rank, targets)).backward()
+    (code_lm_loss(ddp, batch) * loss_weight(batches, rank, targets)).backward()
     return [p.grad.clone() for p in ddp.parameters()]
 
 
@@ -55,7 +55,7 @@ def test_unequal_batches_give_the_gradient_of_the_global_batch(codec, rtol, atol
         for got, want in zip(rank_grads, [p.grad for p in reference.parameters()], strict=True):
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     # and plain averaging (no weighting) would have been wrong
-    assert abs(loss_scale([np.array(b) for b in SPLIT], 0, np.array(LENGTHS) - 1) - 1.0) > 0.1
+    assert abs(loss_weight([np.array(b) for b in SPLIT], 0, np.array(LENGTHS) - 1) - 1.0) > 0.1
 
 
 def _replan(rank: int, world_size: int):

@@ -1,0 +1,53 @@
+"""The examples a user starts from: a plain torchrun DDP script, and the same script with poise."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = ROOT / "examples"
+
+
+def torchrun(script: Path, *args: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc-per-node 2 --standalone script args`` in a subprocess, bounded."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(script), *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+
+
+def test_adding_poise_to_the_plain_script_changes_at_most_ten_lines():
+    plain = (EXAMPLES / "plain_ddp.py").read_text().splitlines()
+    with_poise = (EXAMPLES / "poise_ddp.py").read_text().splitlines()
+    changed = [line for line in difflib.unified_diff(plain, with_poise, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    added = [line for line in changed if line.startswith("+")]
+    assert len(added) <= 10, "\n".join(changed)
+
+
+def test_the_plain_script_runs(tmp_path: Path):
+    proc = torchrun(EXAMPLES / "plain_ddp.py", "--steps", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_poise_script_writes_its_report_with_a_slow_rank_rebalanced(tmp_path: Path):
+    proc = torchrun(EXAMPLES / "poise_ddp.py", "--steps", "30", "--rank-speed", "1:0.5", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert report["steps"] == 30 and report["balance_strategy"] == "dynamic"
+    for key in ("balance", "idle_fraction", "comm_fraction"):
+        assert 0.0 <= report[key] <= 1.0
+    assert [r["rank"] for r in report["per_rank"]] == [0, 1]
+    assert report["emulated_slowdown"][1]["speed"] == 0.5
+    assert report["replans"] and report["replans"][0]["step"] == 10  # after the cold start

@@ -52,7 +52,11 @@ def as_cost_fn(fn: Callable[..., object]) -> CostFn:
     except (TypeError, ValueError):
         vectorised = False
     cost = _Vectorised(fn) if vectorised else _Elementwise(fn)
-    checked = cost(probe)
+    try:
+        checked = cost(probe)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cost_fn must map a length to one finite cost >= 0; for lengths 1 and 2 it failed: "
+                         f"{exc}") from None
     if checked.shape != probe.shape or not np.all(np.isfinite(checked)) or np.any(checked < 0):
         raise ValueError(f"cost_fn must map a length to one finite cost >= 0; for lengths 1 and 2 it gave "
                          f"{checked.tolist()}")

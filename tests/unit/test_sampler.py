@@ -5,6 +5,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from poise.balance import as_cost_fn, make_sampler
 from poise.balance.costs import AttentionCost
 from poise.balance.sampler import BalancedBatchSampler, StaticSchedule
 
@@ -84,3 +85,41 @@ def test_balanced_sampler_gives_the_slow_rank_less():
 def test_balanced_sampler_rejects_bad_speeds(speeds):
     with pytest.raises(ValueError, match="speeds must be 2 positive numbers"):
         BalancedBatchSampler(np.ones(10), rank=0, world_size=2, batch_cost=4, speeds=speeds)
+
+
+def test_cost_fn_may_be_a_function_of_one_length():
+    """A user's ``lambda L: float(L)`` works like the vectorised ``lambda L: L``."""
+
+    lengths = np.random.default_rng(0).integers(1, 300, size=200)
+    scalar = BalancedBatchSampler(lengths, rank=0, world_size=2, batch_cost=1200, cost_fn=lambda n: float(n))
+    vector = BalancedBatchSampler(lengths, rank=0, world_size=2, batch_cost=1200, cost_fn=lambda n: n * 1.0)
+    assert len(scalar) == len(vector)
+    assert all(np.array_equal(a, b) for step in range(len(scalar))
+               for a, b in zip(scalar.global_batches(step), vector.global_batches(step), strict=True))
+    branchy = BalancedBatchSampler(lengths, rank=0, world_size=2, batch_cost=1200,
+                                   cost_fn=lambda n: 2.0 * n if n > 100 else float(n))  # only works on one number
+    assert len(branchy) > len(scalar)
+
+
+def test_a_cost_fn_that_is_not_a_cost_is_refused():
+
+    with pytest.raises(ValueError, match="cost_fn must map a length to one finite cost >= 0"):
+        as_cost_fn(lambda n: -1.0)
+    with pytest.raises(ValueError, match="cost_fn must map"):
+        as_cost_fn(lambda n: np.array([1.0, 2.0, 3.0]))
+
+
+def test_set_epoch_after_loading_keeps_the_loaded_position():
+
+    lengths = np.random.default_rng(0).integers(1, 300, size=200)
+    for strategy, budget in (("static", {"batch_size": 4}), ("cost", {"batch_size": 4})):
+        saved = make_sampler(strategy, lengths, rank=0, world_size=2, **budget)
+        saved.set_epoch(1)
+        for _ in zip(range(3), saved, strict=False):
+            pass
+        loaded = make_sampler(strategy, lengths, rank=0, world_size=2, **budget)
+        loaded.load_state_dict(saved.state_dict())
+        loaded.set_epoch(1)  # the usual epoch loop, right after loading
+        assert (loaded.epoch, loaded.position) == (1, 3)
+        loaded.set_epoch(1)  # a second time starts the epoch over, as always
+        assert loaded.position == 0

@@ -201,12 +201,12 @@ class Session:
             self.partitioner = DynamicPartitioner(
                 self.sampler, cold_start_steps=b.cold_start_steps, window_steps=b.window_steps,
                 replan_every_steps=b.replan_every_steps, max_share_change=b.max_share_change,
-                fit_alpha=b.fit_alpha, device=collective_device,
+                confident_error=b.confident_error, fit_alpha=b.fit_alpha, device=collective_device,
             )
 
         # Emulated slowness is installed around the step and the hook, never passed into them.
         self.slowdown = apply_slowdown(self.rank, self.balance.rank_speeds(), self.balance.slowdown_method,
-                                       torch.get_num_threads())
+                                       torch.get_num_threads(), noise=self.balance.speed_noise, seed=seed)
         self.clock = clock_for(self.device)
         self.probe = BucketProbe(self.clock)
         optimizer_steps = total_steps if total_steps is not None else 0
@@ -354,6 +354,7 @@ class Session:
             "partitioner": partitioner,
             "window": window,
             "comm": self.comm_state.state_dict(),
+            "comm_shared": self.comm_state.shared_state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -362,7 +363,7 @@ class Session:
         world size the rest of the epoch is re-planned over the new ranks) and residuals and
         speed measurements start fresh. Call before the first step; with a lossy codec call
         :meth:`settle_buckets` first."""
-        for key in ("rank", "world_size", "steps_done", "sampler", "comm"):
+        for key in ("rank", "world_size", "steps_done", "sampler", "comm", "comm_shared"):
             if key not in state:
                 raise ValueError(f"not a poise session state: {key!r} is missing (keys: {sorted(state)})")
         if self.steps_done:
@@ -375,6 +376,8 @@ class Session:
         if own:
             self.comm_state.load_state_dict(state["comm"])
         else:
+            # every rank must agree on the hook's step (whether compression has started)
+            self.comm_state.load_shared_state_dict(state.get("comm_shared") or {"step": 0})
             log.info("session state of rank %s of %s loaded on rank %d of %d: data position only",
                      state["rank"], state["world_size"], self.rank, self.world_size)
         self.steps_done = int(state["steps_done"]) if same_world else 0
@@ -394,7 +397,8 @@ class Session:
         self._drain()
         self.timeline.flush()
         slowdowns: list[Any] = [None] * self.world_size
-        dist.all_gather_object(slowdowns, {"speed": self.slowdown.speed, "method": self.slowdown.method})
+        dist.all_gather_object(slowdowns, {"speed": self.slowdown.speed, "method": self.slowdown.method,
+                                           "from_step": self.slowdown.from_step, "noise": self.slowdown.noise})
         if self.rank != 0:
             return None
         table = self.timeline.table()
@@ -459,6 +463,7 @@ class Step:
         s._active = self
         s.probe.reset()
         s.comm_state.reset_step()
+        s.slowdown.begin_step(self.index)
         s.slowdown.mark_s = time.perf_counter()
         if not self.sync:
             # DDP's no_sync must cover the forward too: it arms (or not) the reduction there.

@@ -37,6 +37,7 @@ from poise.session import RANK_KEYS, Session
 _FREE = {
     "out_dir", "dist", "diagnostics", "faults", "checkpoint", "train.steps", "train.epochs",
     "task.eval_max_samples", "task.cache_dir", "balance.rank_speed", "balance.slowdown_method",
+    "balance.speed_noise",
 }
 
 

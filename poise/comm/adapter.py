@@ -63,6 +63,13 @@ class HookState(CountingState):
         self.step = int(state["step"])
         self.codec.load_state_dict(state["codec"])
 
+    def shared_state_dict(self) -> dict[str, Any]:
+        """The step count: every rank's is the same (compression starts at the same step)."""
+        return {"step": self.step}
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
 
 def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: reduce ``bucket`` through ``state.reducer`` (uncompressed while warming

@@ -96,6 +96,13 @@ class CommState(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
+    def shared_state_dict(self) -> dict[str, Any]:
+        """The part of :meth:`state_dict` every rank holds alike (the step count, which says
+        whether compression has started): a checkpoint written by one rank restores it on all."""
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`shared_state_dict` (this rank's own residuals start fresh)."""
+
 
 class CountingState:
     """The :class:`CommState` members that do not depend on the hook: counters, weight, bypass.

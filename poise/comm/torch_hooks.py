@@ -45,6 +45,12 @@ class TorchHookState(CountingState):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def shared_state_dict(self) -> dict[str, Any]:
+        return {}  # torch's own hook state (PowerSGD's iteration) restarts on every rank alike
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
 
 def torch_hook_adapter(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: count the bucket, then run torch's hook on it.

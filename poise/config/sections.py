@@ -193,10 +193,18 @@ class BalanceConfig:
     fit_alpha: bool = _field(True, "dynamic: refit alpha from measured step times at each re-plan")
     bucket_steps: int = _field(50, "length bucketing: samples of this many steps are sorted by length together")
     cold_start_steps: int = _field(10, "dynamic: steps on the equal split before the first re-plan")
-    window_steps: int = _field(50, "dynamic: steps of measurements behind each speed estimate (20-100)")
-    replan_every_steps: int = _field(50, "dynamic: steps between re-plans after the first")
-    max_share_change: float = _field(0.15, "dynamic: largest relative change of a rank's share per re-plan, (0, 1]")
-    rank_speed: str = _field("", "emulated heterogeneity, RANK:SPEED,... with SPEED in (0, 1], e.g. '1:0.5'")
+    window_steps: int = _field(20, "dynamic: most steps of measurements behind each speed estimate (20-100)")
+    replan_every_steps: int = _field(5, "dynamic: steps between re-plans after the first")
+    max_share_change: float = _field(
+        0.15, "dynamic: largest relative change of a rank's share per re-plan while estimates are noisy, (0, 1]"
+    )
+    confident_error: float = _field(
+        0.05, "dynamic: relative standard error of every speed below which a re-plan moves straight to its target"
+    )
+    rank_speed: str = _field("", "emulated heterogeneity, RANK:SPEED[@STEP],... with SPEED in (0, 1], e.g. '1:0.5' "
+                             "or '1:0.5@80' (slowed from step 80 on)")
+    speed_noise: float = _field(0.0, "emulated noise: every rank's compute in every step is stretched by 1 + X, "
+                                "X exponential with this mean (sleeps; 0 = none)")
     slowdown_method: str = _field("auto", "how rank_speed slows a rank: auto, cgroup (CPU quota), sleep")
 
     def __post_init__(self) -> None:
@@ -216,26 +224,33 @@ class BalanceConfig:
             raise ValueError(f"balance.window_steps={self.window_steps} is outside the allowed 20-100")
         if not 0.0 < self.max_share_change <= 1.0:
             raise ValueError(f"balance.max_share_change={self.max_share_change} is outside (0, 1]")
+        if not 0.0 <= self.confident_error <= 1.0:
+            raise ValueError(f"balance.confident_error={self.confident_error} is outside [0, 1]")
         if self.slowdown_method not in ("auto", "cgroup", "sleep"):
             raise ValueError(
                 f"balance.slowdown_method={self.slowdown_method!r} is unknown: allowed are auto, cgroup, sleep"
             )
+        if not 0.0 <= self.speed_noise <= 10.0:  # also refuses nan
+            raise ValueError(f"balance.speed_noise={self.speed_noise} is outside [0, 10]")
         self.rank_speeds()  # validates
 
-    def rank_speeds(self) -> dict[int, float]:
-        """``rank_speed`` parsed: rank -> speed factor in (0, 1] (1 = full speed)."""
-        speeds: dict[int, float] = {}
+    def rank_speeds(self) -> dict[int, tuple[float, int]]:
+        """``rank_speed`` parsed: rank -> (speed factor in (0, 1], 1 = full speed; the step it
+        applies from, 0 = from the start)."""
+        speeds: dict[int, tuple[float, int]] = {}
         for item in filter(None, (p.strip() for p in self.rank_speed.split(","))):
-            rank, sep, speed = item.partition(":")
+            rank, sep, rest = item.partition(":")
+            speed, at, step = rest.partition("@")
             try:
-                r, s = int(rank), float(speed)
+                r, s, k = int(rank), float(speed), int(step) if at else 0
             except ValueError:
-                r, s = -1, float("nan")
-            if not sep or r < 0:
-                raise ValueError(f"balance.rank_speed item {item!r} is invalid: give RANK:SPEED, e.g. 1:0.5")
+                r, s, k = -1, float("nan"), 0
+            if not sep or r < 0 or k < 0:
+                raise ValueError(f"balance.rank_speed item {item!r} is invalid: give RANK:SPEED or RANK:SPEED@STEP, "
+                                 "e.g. 1:0.5 or 1:0.5@80")
             if not 0.0 < s <= 1.0:
                 raise ValueError(f"balance.rank_speed: speed {speed!r} of rank {r} is outside (0, 1]")
-            speeds[r] = s
+            speeds[r] = (s, k)
         return speeds
 
 

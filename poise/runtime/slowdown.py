@@ -2,7 +2,10 @@
 
 This is an emulation for tests and benchmarks, and reports say so. The slowdown scales with
 the work done — a rank at speed 0.5 takes twice as long for the same batch — so a balancer
-has something real to learn; it is never a constant delay. Two methods:
+has something real to learn; it is never a constant delay. ``1:0.5@80`` slows rank 1 from
+step 80 on (a device that degrades mid-run). ``balance.speed_noise`` adds noise to every
+rank: each step's compute is stretched by ``1 + X``, ``X`` exponential with that mean (drawn
+per rank and step from the run's seed), always by sleeping. Two methods for the speed:
 
 - ``cgroup``: a real CPU quota from the kernel's CPU controller (cgroup v1 ``cpu`` or v2
   ``cpu.max``): the process gets ``speed × threads`` CPUs. Needs root and a writable cgroup fs.
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -43,12 +47,31 @@ class Slowdown:
 
     speed: float = 1.0
     method: str = "none"
+    from_step: int = 0  # slowed from this step on
+    noise: float = 0.0  # mean of the per-step exponential stretch X (0: none)
+    seed: int = 0
+    threads: int = 1  # CPUs of the full-speed quota (cgroup method)
+    group: Path | None = field(default=None, repr=False)  # the cgroup (cgroup method)
     mark_s: float | None = field(default=None, repr=False)
+    _extra: float = field(default=0.0, repr=False)  # this step's sleep per second of compute
+    _lowered: bool = field(default=False, repr=False)  # cgroup: the quota is the slowed one
+
+    def begin_step(self, step: int) -> None:
+        """Set this step's slowness: the speed once ``from_step`` is reached, and the noise."""
+        slowed = self.speed < 1.0 and step >= self.from_step
+        if self.method == "cgroup" and slowed and self.group is not None and not self._lowered:
+            _set_quota(self.group, self.speed * self.threads)  # from_step reached (or a resumed run past it)
+            self._lowered = True
+        factor = 1.0 / self.speed if self.method == "sleep" and slowed else 1.0
+        if self.noise > 0:
+            factor *= 1.0 + float(np.random.default_rng([self.seed, step]).exponential(self.noise))
+        self._extra = factor - 1.0
 
     def stretch(self) -> None:
-        """With the sleep method, sleep (1/speed − 1) × the compute since ``mark_s``; re-mark."""
-        if self.method == "sleep" and self.speed < 1.0 and self.mark_s is not None:
-            time.sleep((1.0 / self.speed - 1.0) * max(0.0, time.perf_counter() - self.mark_s))
+        """Sleep this step's extra share of the compute since ``mark_s`` (nothing when not
+        slowed, or before the first step began); re-mark."""
+        if self._extra > 0 and self.mark_s is not None:
+            time.sleep(self._extra * max(0.0, time.perf_counter() - self.mark_s))
         self.mark_s = time.perf_counter()
 
     def wrap_hook(self, hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -58,7 +81,7 @@ class Slowdown:
         Wrap *outside* the timing probe, so the probe sees the bucket after the sleep and
         counts it as compute. (DDP reads the annotations: no postponed annotations here.)
         """
-        if self.method != "sleep":
+        if self.method != "sleep" and self.noise <= 0:
             return hook
 
         def slowed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -110,25 +133,40 @@ def _limit_with_cgroup(speed: float, threads: int) -> Path:
     return group
 
 
-def apply_slowdown(rank: int, rank_speeds: dict[int, float], method: str, threads: int) -> Slowdown:
-    """Slow this rank as configured (``method`` auto, cgroup or sleep); returns what ran.
+def _set_quota(group: Path, cpus: float) -> None:
+    """Change the CPU quota of ``group`` (made by :func:`_limit_with_cgroup`) to ``cpus`` CPUs."""
+    quota = max(1000, int(cpus * _PERIOD_US))
+    if (group / "cpu.cfs_quota_us").exists():
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+    else:
+        (group / "cpu.max").write_text(f"{quota} {_PERIOD_US}")
+
+
+def apply_slowdown(rank: int, rank_speeds: dict[int, tuple[float, int]], method: str, threads: int,
+                   noise: float = 0.0, seed: int = 0) -> Slowdown:
+    """Slow this rank as configured (``rank_speeds``: rank -> (speed, from step); ``method`` auto,
+    cgroup or sleep); returns what runs. Call :meth:`Slowdown.begin_step` at every step.
 
     Raises:
         OSError: when ``method='cgroup'`` was asked for and cgroups cannot be written.
     """
-    speed = rank_speeds.get(rank, 1.0)
+    speed, from_step = rank_speeds.get(rank, (1.0, 0))
+    noisy = {"noise": noise, "seed": seed * 1000 + rank}
     if speed >= 1.0:
-        return Slowdown()
+        return Slowdown(**noisy)
     if method in ("auto", "cgroup"):
         try:
-            group = _limit_with_cgroup(speed, threads)
+            # full speed until from_step: the quota is lowered then (begin_step)
+            group = _limit_with_cgroup(speed if from_step == 0 else 1.0, threads)
+            lowered = from_step == 0
         except OSError as exc:
             if method == "cgroup":
                 raise OSError(f"balance.slowdown_method='cgroup' but the CPU cgroup is not usable: {exc}") from exc
             log.warning("rank %d: no cgroup CPU quota (%s); sleeping instead", rank, exc)
         else:
-            log.warning("rank %d runs at emulated speed %.2f: CPU quota %.2f CPUs in %s", rank, speed,
-                        speed * threads, group)
-            return Slowdown(speed, "cgroup")
-    log.warning("rank %d runs at emulated speed %.2f: sleeping in proportion to its compute", rank, speed)
-    return Slowdown(speed, "sleep")
+            log.warning("rank %d runs at emulated speed %.2f from step %d: CPU quota %.2f CPUs in %s", rank, speed,
+                        from_step, speed * threads, group)
+            return Slowdown(speed, "cgroup", from_step, threads=threads, group=group, _lowered=lowered, **noisy)
+    log.warning("rank %d runs at emulated speed %.2f from step %d: sleeping in proportion to its compute", rank,
+                speed, from_step)
+    return Slowdown(speed, "sleep", from_step, **noisy)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from poise.balance.costs import AttentionCost, fit_alpha, measured_speeds
-from poise.balance.rebalance import next_shares
+from poise.balance.rebalance import RECENT_STEPS, SpeedEstimate, choose_shares, estimate_speeds, next_shares
 
 
 def test_attention_cost():
@@ -52,3 +52,28 @@ def test_next_shares_many_ranks_sum_to_one_within_limits():
     new = next_shares(current, np.array([4.0, 1.0, 1.0, 1.0]), 0.15)
     assert new.sum() == pytest.approx(1.0)
     assert np.all(np.abs(new / current - 1) <= 0.15 + 1e-9)
+
+
+def test_estimate_speeds_drops_the_steps_before_a_change_of_speed():
+    rng = np.random.default_rng(0)
+    cost = np.full((2, 20), 100.0)
+    seconds = 1.0 + 0.02 * rng.standard_normal((2, 20))
+    steady = estimate_speeds(cost, seconds)
+    assert steady.keep_steps == 20 and steady.speeds == pytest.approx([100, 100], rel=0.02)
+    assert np.all(steady.rel_error < 0.01)
+    seconds[1, -RECENT_STEPS:] *= 2.0  # rank 1 got twice as slow in the last steps
+    changed = estimate_speeds(cost, seconds)
+    assert changed.keep_steps == RECENT_STEPS
+    assert changed.speeds[1] == pytest.approx(50, rel=0.03)
+
+
+def test_choose_shares_holds_within_noise_jumps_when_confident_and_damps_otherwise():
+    current = np.array([0.5, 0.5])
+    near = SpeedEstimate(np.array([1.01, 1.0]), np.array([0.02, 0.02]), 20)
+    assert choose_shares(current, near, 0.15, 0.05)[1] == "hold"
+    sure = SpeedEstimate(np.array([2.0, 1.0]), np.array([0.01, 0.01]), 20)
+    shares, decision = choose_shares(current, sure, 0.15, 0.05)
+    assert decision == "jump" and shares == pytest.approx([2 / 3, 1 / 3])
+    unsure = SpeedEstimate(np.array([2.0, 1.0]), np.array([0.1, 0.1]), 20)
+    shares, decision = choose_shares(current, unsure, 0.15, 0.05)
+    assert decision == "damped" and shares[0] == pytest.approx(0.5 * 1.15)

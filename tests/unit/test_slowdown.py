@@ -21,6 +21,7 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 def test_sleep_slowdown_stretches_compute_by_one_over_speed(sleeps):
     slow = Slowdown(speed=0.5, method="sleep")
+    slow.begin_step(0)
     slow.mark_s = slowdown.time.perf_counter()  # 100.00
     slow.stretch()  # 0.02 s of compute since the mark: speed 0.5 sleeps as long again
     assert sleeps == [pytest.approx(0.02)]
@@ -30,6 +31,37 @@ def test_a_backward_before_the_first_mark_is_not_slowed(sleeps):
     # the resume path's throw-away backward runs before any training step marked the time:
     # it used to sleep (1/speed - 1) x the whole perf_counter() clock (here 4 x 100 s)
     slow = Slowdown(speed=0.2, method="sleep")
+    slow.begin_step(3)
+    slow.mark_s = None
     slow.stretch()
     assert sleeps == []
     assert slow.mark_s == pytest.approx(100.0)  # later buckets of that backward count from here
+
+
+def test_a_rank_slowed_from_a_step_on_runs_at_full_speed_before_it(sleeps):
+    slow = Slowdown(speed=0.5, method="sleep", from_step=80)
+    for step, expect in ((79, []), (80, [pytest.approx(0.02)])):
+        slow.begin_step(step)
+        slow.mark_s = slowdown.time.perf_counter()
+        slow.stretch()
+        assert sleeps == expect
+
+
+def test_speed_noise_stretches_every_step_by_a_seeded_exponential(sleeps):
+    noisy = Slowdown(noise=0.3, seed=7)
+    extras = []
+    for step in range(400):
+        noisy.begin_step(step)
+        extras.append(noisy._extra)
+    again = Slowdown(noise=0.3, seed=7)
+    again.begin_step(5)
+    assert again._extra == extras[5]  # the same draw for the same seed and step, on every attempt
+    assert min(extras) >= 0 and abs(sum(extras) / len(extras) - 0.3) < 0.05  # mean inflation 30 %
+
+
+def test_rank_speed_with_a_start_step_parses():
+    from poise.config import BalanceConfig
+
+    assert BalanceConfig(rank_speed="1:0.5@80,0:0.9").rank_speeds() == {1: (0.5, 80), 0: (0.9, 0)}
+    with pytest.raises(ValueError, match=r"give RANK:SPEED or RANK:SPEED@STEP"):
+        BalanceConfig(rank_speed="1:0.5@x")

@@ -20,7 +20,9 @@ what a session gives a hand-written loop, with no callback and no change to the 
 - checkpoints: ``checkpoint["poise"]`` holds ``session.state_dict()``, restored before the first
   step. Lightning writes rank 0's checkpoint only, so after a resume rank 0 gets its own
   state back and the other ranks the shared part (data position and plan); their error-feedback
-  residuals and speed measurements start fresh (``Session.load_state_dict``).
+  residuals and speed measurements start fresh (``Session.load_state_dict``). Known gap: with
+  a codec that resume fails, because only rank 0 gets the hook's step count back and the
+  ranks then disagree on when compression starts (a mismatched collective).
 - the report: ``session.finish()`` on every rank when ``fit`` ends (``on_train_end``), with the
   trainer's logged metrics added; ``report.json``, ``trace.json``, ``timeline.png`` in ``out_dir``.
 
@@ -124,6 +126,11 @@ class PoiseStrategy(DDPStrategy):
         if self._loaded_state is not None:
             self.session.load_state_dict(self._loaded_state)
             self._loaded_state = None
+            sampler = self.session.sampler
+            if sampler.position >= len(sampler):
+                # Saved at an epoch's end (ModelCheckpoint's default): Lightning resumes with the
+                # next epoch but iterates the loader before it sets the sampler's epoch.
+                sampler.set_epoch(sampler.epoch + 1)
 
     def process_dataloader(self, dataloader: object) -> object:
         """The training DataLoader again, batched by ``session.sampler``; any other one unchanged."""

@@ -58,11 +58,11 @@ def main() -> None:
     dataset = toy.Sequences(seqs)
     strategy = PoiseStrategy(lengths=lengths, loss_terms=terms, batch_size=args.batch_size, balance=args.balance,
                              comm=args.comm, out_dir=args.out)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs,
                          accumulate_grad_batches=args.accumulate,
                          limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=args.out)
-    trainer.fit(ToyModule(dataset, args.out))
+    trainer.fit(ToyModule(dataset, args.out), ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

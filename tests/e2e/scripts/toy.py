@@ -91,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--balance", default="cost")
     parser.add_argument("--comm", default="fp16")
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--resume", type=Path, default=None, help="a Lightning checkpoint to continue from")
     return parser.parse_args()
 
 

@@ -1,0 +1,244 @@
+"""poise in PyTorch Lightning: :class:`PoiseStrategy`, a DDP strategy that runs a :class:`poise.Session`.
+
+``Trainer(strategy=PoiseStrategy(lengths=..., batch_size=..., comm="fp16", out_dir=...))`` gets
+what a session gives a hand-written loop, with no callback and no change to the LightningModule:
+
+- the comm hook: the session is made on the DDP model Lightning wraps (``configure_ddp``), so
+  poise's codec hook and timing probe see every bucket, on CPU too. (Lightning's own
+  ``ddp_comm_hook=`` registers a hook only on CUDA; it is refused here.)
+- balanced sampling: the *training* DataLoader is rebuilt with ``batch_sampler=session.sampler``
+  (``process_dataloader``; the train loader is the one processed while the trainer's stage is
+  ``TRAINING``), keeping its dataset, collate_fn, workers and the rest. Validation, test and
+  predict loaders are left as they are, so ``use_distributed_sampler`` (True or False) only
+  decides how those are sharded.
+- exact weighting and timing: a step opens at ``on_train_batch_start``; ``backward`` runs
+  Lightning's backward on the session-weighted loss; the step ends after the optimizer step
+  (``optimizer_step``), or right after backward in a micro-batch that accumulates.
+- ``accumulate_grad_batches=N``: Lightning divides the loss by N and runs DDP's ``no_sync``; the
+  session is made with ``accum_steps=N`` (the weight divides by N: Lightning's division is
+  undone) and ``step.sync`` is Lightning's decision for each batch.
+- checkpoints: ``checkpoint["poise"]`` holds ``session.state_dict()``, restored before the first
+  step. Lightning writes rank 0's checkpoint only, so after a resume rank 0 gets its own
+  state back and the other ranks the shared part (data position and plan); their error-feedback
+  residuals and speed measurements start fresh (``Session.load_state_dict``). Known gap: with
+  a codec that resume fails, because only rank 0 gets the hook's step count back and the
+  ranks then disagree on when compression starts (a mismatched collective).
+- the report: ``session.finish()`` on every rank when ``fit`` ends (``on_train_end``), with the
+  trainer's logged metrics added; ``report.json``, ``trace.json``, ``timeline.png`` in ``out_dir``.
+
+Automatic optimization only: manual optimization is refused (its backward calls are the
+user's, so a step could not know which one to weight).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.trainer.states import RunningStage
+except ImportError:
+    raise ImportError("poise.integrations.lightning needs lightning: pip install 'poise[lightning]'") from None
+
+from poise.comm import builder as comm_builder
+from poise.config import CommConfig
+from poise.session import Session, Step
+
+log = logging.getLogger(__name__)
+
+# DDPStrategy arguments that register a comm hook of their own (on CUDA only): poise's replaces them.
+_HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+# DataLoader settings carried over to the rebuilt training loader (batching is the sampler's).
+# Session arguments the strategy derives from the trainer; every other one of Session's keywords is taken.
+_SET_HERE = ("model", "accum_steps", "total_steps", "backward", "rank", "world_size")
+_SESSION_ARGS = frozenset(inspect.signature(Session).parameters) - frozenset(_SET_HERE)
+_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                "generator", "persistent_workers", "pin_memory_device", "in_order")
+
+
+class PoiseStrategy(DDPStrategy):
+    """Lightning's DDP strategy with a :class:`poise.Session` on the wrapped model (see module doc).
+
+    Keyword arguments named like :class:`poise.Session`'s (``lengths``, ``loss_terms``,
+    ``batch_size``, ``balance``, ``comm``, ``out_dir``, ``cost_fn``, ``seed``, ...) go to the
+    session, with the same meaning and units; its ``accum_steps`` is the trainer's
+    ``accumulate_grad_batches`` and its ``total_steps`` the trainer's ``max_steps`` (when set).
+    Every other keyword goes to Lightning's ``DDPStrategy`` (``timeout``,
+    ``process_group_backend``, DDP's own ``find_unused_parameters``, ``bucket_cap_mb``, ...).
+
+    Attributes:
+        session: the run's session (None until ``fit`` has set the model up).
+        step: the open step of the training batch in hand (None between batches).
+
+    Raises:
+        ValueError: one line, for a comm-hook argument of DDPStrategy, a session argument the
+            trainer decides (``accum_steps``, ``total_steps``, ...), manual optimization, or a
+            training DataLoader whose dataset does not match ``lengths``.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        set_here = sorted(name for name in _SET_HERE if name in kwargs)
+        if set_here:
+            raise ValueError(f"PoiseStrategy sets {', '.join(set_here)} itself (accum_steps is the trainer's "
+                             "accumulate_grad_batches, total_steps its max_steps)")
+        refused = [name for name in _HOOK_ARGS if kwargs.get(name) is not None]
+        if refused:
+            raise ValueError(f"PoiseStrategy registers poise's comm hook itself: drop {', '.join(refused)} "
+                             "(choose the codec with comm=)")
+        self._session_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in _SESSION_ARGS}
+        comm = self._session_kwargs.get("comm", "none")
+        self._session_kwargs["comm"] = self.comm_config = CommConfig(codec=comm) if isinstance(comm, str) else comm
+        super().__init__(**kwargs)  # what is left is DDPStrategy's (and DDP's)
+        self.session: Session | None = None
+        self.step: Step | None = None
+        self._loaded_state: dict[str, Any] | None = None
+
+    # -- set-up: the session on Lightning's DDP model -------------------------------------------
+
+    def configure_ddp(self) -> None:
+        """Wrap the model in DDP (Lightning's way), then make the session on it (poise's hook)."""
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ValueError("PoiseStrategy needs automatic optimization: with automatic_optimization=False the "
+                             "backward calls are yours, so write the loop with poise.Session directly")
+        size_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        if comm_builder.requires_single_bucket(self.comm_config):
+            # the codec needs the whole gradient in one bucket on gloo
+            self._ddp_kwargs["bucket_cap_mb"] = max(self._ddp_kwargs.get("bucket_cap_mb") or 0,
+                                                    2 * size_bytes / 2**20 + 1)
+        else:
+            self._ddp_kwargs.setdefault("bucket_cap_mb", self.comm_config.bucket_mb)
+        super().configure_ddp()
+        trainer = module.trainer
+        self.session = Session(
+            self.model, accum_steps=trainer.accumulate_grad_batches,
+            total_steps=trainer.max_steps if trainer.max_steps > 0 else None, **self._session_kwargs,
+        )
+        if self._loaded_state is not None:
+            self.session.load_state_dict(self._loaded_state)
+            self._loaded_state = None
+            sampler = self.session.sampler
+            if sampler.position >= len(sampler):
+                # Saved at an epoch's end (ModelCheckpoint's default): Lightning resumes with the
+                # next epoch but iterates the loader before it sets the sampler's epoch.
+                sampler.set_epoch(sampler.epoch + 1)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader again, batched by ``session.sampler``; any other one unchanged."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.session is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise ValueError(f"PoiseStrategy balances a torch DataLoader; the train dataloader is a "
+                             f"{type(dataloader).__name__}")
+        dataset = dataloader.dataset
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("PoiseStrategy plans batches by sample index: the train dataset must be map-style, "
+                             f"not an IterableDataset ({type(dataset).__name__})")
+        kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
+        if dataloader.num_workers > 0:
+            kwargs["prefetch_factor"] = dataloader.prefetch_factor
+        return self.session.dataloader(dataset, **kwargs)  # checks len(dataset) == len(lengths)
+
+    # -- one training batch: open, weighted backward, close -------------------------------------
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Open the step of this batch (the oldest one ``session.sampler`` handed out)."""
+        super().on_train_batch_start(batch, batch_idx)
+        self._close_open_step()
+        assert self.session is not None and self.lightning_module is not None
+        # Lightning runs DDP's no_sync itself around an accumulating batch's closure, so the
+        # session must not enter it as well (the two would exit out of order and leave DDP
+        # never syncing again): open the step as a syncing one, then say what Lightning
+        # decided (it syncs on an epoch's last batch too, so ask it instead of counting).
+        accumulates = self.lightning_module.trainer.fit_loop._should_accumulate()
+        self.step = self.session.step(sync=True)
+        self.step.sync = not accumulates
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        """Lightning's backward, on the loss weighted by the open step (exact gradient)."""
+        step, session = self.step, self.session
+        if step is None or session is None:
+            raise ValueError("PoiseStrategy.backward outside a training batch: poise weights training steps only")
+        out: list[torch.Tensor] = []
+
+        def run(weighted: torch.Tensor) -> None:
+            out.append(super(PoiseStrategy, self).backward(weighted, optimizer, *args, **kwargs))
+
+        # Lightning already divided the loss by accumulate_grad_batches, and the step's weight
+        # divides by accum_steps too: undo Lightning's, so the step also records the real loss.
+        step.backward(closure_loss * session.accum_steps, backward=run)
+        if not step.sync:  # an accumulating micro-batch: no optimizer step follows
+            self._end_step()
+        return out[0]
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step (which runs the forward and backward closure), then the step ends."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.step is not None:
+            self._end_step()
+        return result
+
+    def _end_step(self) -> None:
+        step, self.step = self.step, None
+        assert step is not None
+        step.end()
+
+    def _close_open_step(self) -> None:
+        """A step left open (its optimizer step never ran): recorded if it did backward, else dropped."""
+        if self.step is None:
+            return
+        if self.step.backward_done:
+            self._end_step()
+        else:
+            log.warning("step %d had no backward (training_step returned None?): not recorded", self.step.index)
+            self.step.abort()
+            self.step = None
+
+    # -- the end, and checkpoints -----------------------------------------------------------------
+
+    def on_train_end(self) -> None:
+        """``session.finish()`` on every rank (a collective), with the trainer's logged metrics."""
+        super().on_train_end()
+        self._close_open_step()
+        if self.session is None or self.session.steps_done == 0:
+            return
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        extra: dict[str, Any] = {}
+        if trainer is not None:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                       if isinstance(v, torch.Tensor) and v.numel() == 1}
+            extra = {"lightning": {"global_step": trainer.global_step, "epochs": trainer.current_epoch,
+                                   "accumulate_grad_batches": trainer.accumulate_grad_batches, "metrics": metrics}}
+        self.session.finish(extra)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's checkpoint (written by rank 0) with this rank's ``session.state_dict()`` in ``"poise"``."""
+        if self.session is not None:
+            checkpoint["poise"] = self.session.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's checkpoint; its ``"poise"`` state goes into the session before the first step."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        state = checkpoint.get("poise")
+        if state is not None:
+            if self.session is not None:
+                self.session.load_state_dict(state)
+            else:  # fit restores before it sets the model up: load when the session exists
+                self._loaded_state = state
+        return checkpoint
+
+
+__all__ = ["PoiseStrategy"]

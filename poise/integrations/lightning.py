@@ -20,9 +20,8 @@ what a session gives a hand-written loop, with no callback and no change to the 
 - checkpoints: ``checkpoint["poise"]`` holds ``session.state_dict()``, restored before the first
   step. Lightning writes rank 0's checkpoint only, so after a resume rank 0 gets its own
   state back and the other ranks the shared part (data position and plan); their error-feedback
-  residuals and speed measurements start fresh (``Session.load_state_dict``). Known gap: with
-  a codec that resume fails, because only rank 0 gets the hook's step count back and the
-  ranks then disagree on when compression starts (a mismatched collective).
+  residuals and speed measurements start fresh, while the comm hook's step count (when
+  compression starts) is shared state and comes back on every rank (``Session.load_state_dict``).
 - the report: ``session.finish()`` on every rank when ``fit`` ends (``on_train_end``), with the
   trainer's logged metrics added; ``report.json``, ``trace.json``, ``timeline.png`` in ``out_dir``.
 

@@ -180,6 +180,40 @@ def test_a_saved_session_resumes_at_the_first_batch_not_trained(prefetch):
         assert result["residuals"]
 
 
+def _resume_from_rank_0(rank: int, world_size: int) -> list[float]:
+    """Every rank loads the state rank 0 saved (a framework that checkpoints on rank 0 only),
+    with a codec already compressing: the ranks must agree on its step, or gloo gets
+    collectives of different sizes."""
+    def session() -> poise.Session:
+        return poise.Session(_model(), lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4,
+                             comm=poise.CommConfig(codec="topk", start_step=3))
+
+    def train(s: poise.Session, steps: int) -> list[float]:
+        losses = []
+        for step, (x, y) in s.steps(DataLoader(Sequences(), batch_sampler=s.sampler, collate_fn=collate)):
+            loss = token_mean_loss(s.model, x, y)
+            step.backward(loss)
+            losses.append(float(loss))
+            if len(losses) == steps:
+                break
+        return losses
+
+    first = session()
+    train(first, 5)  # compressing since step 3
+    states: list = [None]
+    if rank == 0:
+        states[0] = first.state_dict()
+    torch.distributed.broadcast_object_list(states, src=0)
+    second = session()
+    second.load_state_dict(states[0])
+    return train(second, 4)
+
+
+def test_a_state_saved_by_rank_0_resumes_on_every_rank_with_a_codec():
+    for losses in run_ranks(_resume_from_rank_0, world_size=2, timeout_s=60):
+        assert len(losses) == 4 and all(np.isfinite(losses))
+
+
 def _misuse(rank: int, world_size: int) -> dict:
     errors = {}
 

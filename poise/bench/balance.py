@@ -1,25 +1,31 @@
 """``poise bench balance``: static vs cost-aware vs dynamic sharding, side by side, with a slow rank.
 
-Four real ``poise train`` jobs of code-lm on 2 workers, in one invocation:
+Six real ``poise train`` jobs of code-lm on 2 workers, in one invocation, every one with the
+library's defaults (what a user gets):
 
 (a) static: torch's DistributedSampler with fixed batches of ``--batch-size`` samples;
 (b) cost: cost-budget batches with length bucketing, split by cost (equal speeds); the
     budget is the mean cost of ``--batch-size`` samples per rank, so every run sees the same
     real tokens per step on average and loss per token is comparable;
 (c) dynamic, with rank 1 slowed to half speed (``--rank-speed 1:0.5``): speeds re-measured;
-(d) static again with the same slow rank.
+(d) static again with the same slow rank;
+(e) dynamic, rank 1 at full speed until step ``--change-at``, then at half speed
+    (``1:0.5@STEP``): a device that degrades mid-run;
+(f) dynamic, rank 1 at half speed and every rank's compute stretched each step by 1 + X,
+    X exponential with mean ``--noise`` (noisy speeds; sleeps).
 
-For each: balance (whole run and second half, after re-planning has converged), idle
-fraction, real tokens/s (padding excluded), padding waste, and throughput against the ideal
-(the sum of the ranks' own measured speeds). Training loss is compared at the same number of
-real tokens, since the runs' batches differ. Re-planning runs every ``--replan-every`` steps
-(default 10, shorter than the library default of 50) so that it converges within a run that
-fits a 2-core machine; the JSON records it.
+For each: balance (whole run and second half), when it converged (:func:`converged_at`: the
+first step from which the median balance of the next ``CONVERGED_WINDOW`` steps is at least
+``--target``), the balance from then on, how often the re-planner reversed the direction of a
+share (oscillation), idle fraction, real tokens/s (padding excluded), padding waste, and
+throughput against the ideal (the sum of the ranks' own measured speeds). Training loss is
+compared at the same number of real tokens, since the runs' batches differ.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from typing import Any
 
 import numpy as np
@@ -41,19 +47,41 @@ def loss_at_tokens(curve: list[list[float]], tokens: float, window: float = 0.1)
     return float(points[mask, 1].mean())
 
 
+CONVERGED_WINDOW = 10  # steps whose median balance must reach the target
+
+
+def converged_at(per_step: list[float], start: int, target: float, window: int = CONVERGED_WINDOW) -> int | None:
+    """The first step at or after ``start`` from which the median balance of the next
+    ``window`` steps is at least ``target`` (None: never). One step's balance is noisy (its
+    batches differ), so a single good step does not count."""
+    values = np.asarray(per_step, dtype=np.float64)
+    for s in range(start, len(values) - window + 1):
+        if float(np.median(values[s : s + window])) >= target:
+            return s
+    return None
+
+
+def reversals(replans: list[dict[str, Any]]) -> int:
+    """How often rank 0's share changed direction from one re-plan to the next (oscillation)."""
+    shares = [0.5] + [e["shares"][0] for e in replans]
+    moves = [b - a for a, b in itertools.pairwise(shares) if abs(b - a) > 1e-9]
+    return sum(1 for a, b in itertools.pairwise(moves) if a * b < 0)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=80, help="steps per run")
+    parser.add_argument("--steps", type=int, default=150, help="steps per run")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step (b, c: on average)")
     parser.add_argument("--slow-speed", type=float, default=0.5, help="speed of the slowed rank 1, in (0, 1]")
-    parser.add_argument("--replan-every", type=int, default=10, help="(c): steps between re-plans")
-    parser.add_argument("--window", type=int, default=20, help="(c): steps per speed estimate (20-100)")
+    parser.add_argument("--change-at", type=int, default=80, help="(e): the step rank 1 slows down at")
+    parser.add_argument("--noise", type=float, default=0.3, help="(f): mean per-step stretch of every rank's compute")
+    parser.add_argument("--target", type=float, default=0.95, help="balance that counts as converged")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
     parser.add_argument("--out", default="", help="output directory (default runs/bench-balance-<timestamp>)")
     parser.add_argument("train_args", nargs="*", help="extra 'poise train' flags for every run, after --")
 
 
 def run(args: argparse.Namespace) -> int:
-    require_positive(args, "steps", "batch_size", "replan_every", "timeout_s")
+    require_positive(args, "steps", "batch_size", "change_at", "timeout_s")
     if not 0 < args.slow_speed <= 1:
         raise ValueError(f"--slow-speed={args.slow_speed} is outside (0, 1]")
     out = output_dir(args.out, "balance")
@@ -63,18 +91,27 @@ def run(args: argparse.Namespace) -> int:
     runs: dict[str, list[str]] = {
         "a-static": ["--balance", "static"],
         "b-cost": ["--balance", "cost"],
-        "c-dynamic-slow": ["--balance", "dynamic", *slow, "--balance.replan_every_steps", str(args.replan_every),
-                           "--balance.window_steps", str(args.window)],
+        "c-dynamic-slow": ["--balance", "dynamic", *slow],
         "d-static-slow": ["--balance", "static", *slow],
+        "e-dynamic-change": ["--balance", "dynamic", "--rank-speed", f"1:{args.slow_speed}@{args.change_at}"],
+        "f-dynamic-noisy": ["--balance", "dynamic", *slow, "--balance.speed_noise", str(args.noise)],
     }
     reports = {name: run_train_job(name, out, [*common, *flags], args.timeout_s) for name, flags in runs.items()}
     common_tokens = min(r["loss_curve"][-1][0] for r in reports.values())
     rows: list[dict[str, Any]] = []
     for name, rep in reports.items():
+        per_step = rep["balance_per_step"]
+        cold = int(rep["config"]["balance"]["cold_start_steps"]) if name[2:].startswith("dynamic") else 1
+        start = args.change_at if name.startswith("e-") else cold
+        at = converged_at(per_step, start, args.target)
         rows.append({
             "run": name,
             "balance": rep["balance"],
             "balance_last_half": rep["balance_last_half"],
+            # steps after the cold start (e: after the change) until converged; None: never
+            "converged_after_steps": None if at is None else at - start,
+            "balance_after_converged": float(np.mean(per_step[at:])) if at is not None else None,
+            "share_reversals": reversals(rep["replans"]),
             "idle_fraction": rep["idle_fraction"],
             "throughput_tokens_per_s": rep["throughput_tokens_per_s"],
             "ideal_tokens_per_s": rep["ideal_tokens_per_s"],
@@ -87,12 +124,16 @@ def run(args: argparse.Namespace) -> int:
             "replans": rep["replans"],
         })
     show_table(
-        f"poise bench balance: code-lm, 2 workers, {args.steps} steps; rank 1 at speed {args.slow_speed} in c, d",
+        f"poise bench balance: code-lm, 2 workers, {args.steps} steps, library defaults; rank 1 at speed "
+        f"{args.slow_speed} in c, d, f, from step {args.change_at} in e; f: noise {args.noise}",
         rows,
         [
             ("run", "run", str),
             ("balance", "balance", lambda v: f"{v:.3f}"),
             ("balance_last_half", "balance 2nd half", lambda v: f"{v:.3f}"),
+            ("converged_after_steps", f"steps to {args.target}", lambda v: "never" if v is None else f"{v}"),
+            ("balance_after_converged", "balance then", lambda v: "-" if v is None else f"{v:.3f}"),
+            ("share_reversals", "reversals", str),
             ("idle_fraction", "idle", lambda v: f"{v:.1%}"),
             ("throughput_tokens_per_s", "tokens/s", lambda v: f"{v:,.0f}"),
             ("throughput_vs_ideal", "vs ideal", lambda v: f"{v:.2f}"),
@@ -102,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         ],
     )
     save_results(out, "balance", {
-        "steps": args.steps, "common_tokens": common_tokens, "replan_every_steps": args.replan_every,
-        "window_steps": args.window, "runs": rows, "flags": {k: [*common, *v] for k, v in runs.items()},
+        "steps": args.steps, "common_tokens": common_tokens, "target": args.target,
+        "converged_window_steps": CONVERGED_WINDOW, "change_at": args.change_at, "noise": args.noise,
+        "runs": rows, "flags": {k: [*common, *v] for k, v in runs.items()},
     })
     return 0

@@ -16,7 +16,7 @@ Definitions (all over the measured steps, per-rank compute Tᵢ = forward + own 
 - ``loss_curve``: training loss against cumulative real tokens, to compare runs whose
   batches differ at equal tokens rather than equal steps.
 - ``balance_last_half``: balance over the second half of the steps, after a dynamic
-  re-planner has had time to converge.
+  re-planner has had time to converge; ``balance_per_step``: every step's balance.
 - ``comm_overlap``: share of the time gradients were being reduced (from a bucket's hand-off
   to DDP until its reduction completed) that overlapped the rank's own backward compute,
   i.e. communication hidden by DDP's bucketing (``--bucket-mb``); ``comm_busy_s_per_step``
@@ -93,6 +93,8 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "median_step_s": steady_step_s,
         "balance": float(np.mean(step_balance)),
         "balance_last_half": float(np.mean(step_balance[len(step_balance) // 2 :])),
+        # every step's balance, the first included (step 0 is left out of the means above)
+        "balance_per_step": [float(balance(row)) for row in column(table, "compute_s").T],
         "idle_fraction": idle_fraction(compute),
         "comm_fraction": float(np.clip(blocked - idle, 0, None).sum() / step_s.sum()),
         "blocked_fraction": float(blocked.sum() / step_s.sum()),

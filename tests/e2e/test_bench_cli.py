@@ -33,15 +33,19 @@ def test_scaling_bench_rejects_bad_worker_counts(tmp_path):
     assert "--workers='2,x' is invalid" in proc.stderr
 
 
-def test_balance_bench_runs_four_jobs_and_writes_json(tmp_path, cache_dir):
-    proc = run_poise("bench", "balance", "--steps", "4", "--batch-size", "4", "--out", str(tmp_path), "--",
+def test_balance_bench_runs_six_jobs_and_writes_json(tmp_path, cache_dir):
+    proc = run_poise("bench", "balance", "--steps", "4", "--batch-size", "4", "--change-at", "2",
+                     "--out", str(tmp_path), "--",
                      "--max-seq-len", "128", "--task.cache_dir", str(cache_dir), "--task.eval_max_samples", "16",
                      "--balance.cold_start_steps", "2", timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vs ideal" in proc.stdout
     data = json.loads((tmp_path / "balance.json").read_text())
     runs = {r["run"]: r for r in data["runs"]}
-    assert set(runs) == {"a-static", "b-cost", "c-dynamic-slow", "d-static-slow"}
+    assert set(runs) == {"a-static", "b-cost", "c-dynamic-slow", "d-static-slow", "e-dynamic-change",
+                         "f-dynamic-noisy"}
+    assert runs["e-dynamic-change"]["slowdown"][1]["from_step"] == 2
+    assert runs["f-dynamic-noisy"]["slowdown"][0]["noise"] == 0.3
     assert runs["c-dynamic-slow"]["slowdown"][1]["speed"] == 0.5
     assert runs["c-dynamic-slow"]["replans"]  # it re-planned after the cold start
     assert runs["b-cost"]["padding_waste"] < runs["a-static"]["padding_waste"]

@@ -39,7 +39,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -56,12 +55,13 @@ from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.sampler import DEFAULT_ALPHA, BalancedBatchSampler, StaticSchedule, make_sampler
 from poise.balance.weights import loss_weight
 from poise.comm import builder as comm_builder
-from poise.comm.probe import BucketProbe, comm_overlap, instrumented
+from poise.comm.probe import BucketProbe, instrumented
 from poise.comm.settle import settle_buckets
 from poise.comm.state import CommState
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.clock import HostClock, clock_for
+from poise.diagnostics.marks import StepMarks
 from poise.diagnostics.timeline import StepRecord, Timeline, write_chrome_trace
 from poise.files import write_json_atomic
 from poise.runtime.slowdown import apply_slowdown
@@ -215,7 +215,7 @@ class Session:
         self.timeline = Timeline(self.rank, self.world_size, self.diagnostics.gather_every_steps, collective_device)
         self.steps_done = 0  # steps (micro-batches) recorded, over all epochs
         self.last_record: StepRecord | None = None
-        self._pending: deque[_Marks] = deque()
+        self._pending: deque[StepMarks] = deque()
         self._lag = 0 if isinstance(self.clock, HostClock) else 1  # CUDA: read a step's events one step later
         self._active: Step | None = None
         self._last_exit_s: float | None = None
@@ -310,7 +310,7 @@ class Session:
                 raise
             step.end()
 
-    def _close_step(self, marks: _Marks) -> None:
+    def _close_step(self, marks: StepMarks) -> None:
         self._active = None
         self._last_exit_s = time.perf_counter()
         self._pending.append(marks)
@@ -321,7 +321,7 @@ class Session:
             if self.total_steps is None or self.steps_done < self.total_steps * self.accum_steps:
                 self.partitioner.replan(self.steps_done)
 
-    def _take(self, marks: _Marks) -> None:
+    def _take(self, marks: StepMarks) -> None:
         rec = marks.record(self.clock)
         self.timeline.record(rec)
         if self.partitioner is not None:
@@ -451,7 +451,7 @@ class Step:
         self.skipped = False
         self.loss: torch.Tensor | None = None
         self._no_sync: Any = None
-        self._marks: _Marks | None = None
+        self._marks: StepMarks | None = None
 
     @property
     def backward_done(self) -> bool:
@@ -470,7 +470,7 @@ class Step:
             self._no_sync = s.model.no_sync()
             self._no_sync.__enter__()
         lengths = s.lengths[self.indices]
-        self._marks = _Marks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=s.clock.mark(),
+        self._marks = StepMarks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=s.clock.mark(),
                              indices=self.indices, samples=len(lengths), tokens=int(lengths.sum()),
                              padded_tokens=int(len(lengths) * lengths.max()) if len(lengths) else 0)
 
@@ -545,59 +545,6 @@ class Step:
             self.abort()
         else:
             self.end()
-
-
-@dataclass
-class _Marks:
-    """One step's clock marks and counts, until its figures are read (CUDA: one step later)."""
-
-    index: int
-    start_time_s: float
-    data_s: float
-    forward: Any
-    indices: np.ndarray
-    samples: int
-    tokens: int
-    padded_tokens: int
-    backward: Any = None
-    backward_end: Any = None
-    ready: Any = None
-    end: Any = None
-    in_flight: list[tuple[Any, Any]] = field(default_factory=list)
-    loss: torch.Tensor | None = None
-    skipped: bool = False
-    raw_bytes: int = 0
-    wire_bytes: int = 0
-    inter_node_raw_bytes: int = 0
-    inter_node_wire_bytes: int = 0
-    codec_s: float = 0.0
-
-    def record(self, clock: Any) -> StepRecord:
-        """The step's :class:`StepRecord` (seconds); reads the marks (waits for CUDA events)."""
-        def s(mark: Any) -> float:
-            return clock.seconds(self.forward, mark)
-
-        # No bucket reached the hook only if nothing needs a gradient; then there was no comm.
-        ready = self.ready if self.ready is not None else self.backward_end
-        busy, hidden = comm_overlap([(s(a), s(b)) for a, b in self.in_flight], s(ready))
-        end = s(self.end)
-        return StepRecord(
-            step=self.index, start_time_s=self.start_time_s, data_s=self.data_s,
-            forward_s=s(self.backward), backward_s=s(ready) - s(self.backward),
-            comm_wait_s=s(self.backward_end) - s(ready), optim_s=end - s(self.backward_end), step_s=self.data_s + end,
-            samples=self.samples, tokens=self.tokens, padded_tokens=self.padded_tokens,
-            loss=float(self.loss) if self.loss is not None else float("nan"),
-            raw_bytes=self.raw_bytes, wire_bytes=self.wire_bytes, inter_node_raw_bytes=self.inter_node_raw_bytes,
-            inter_node_wire_bytes=self.inter_node_wire_bytes, codec_s=self.codec_s, comm_busy_s=busy,
-            comm_hidden_s=hidden, skipped=int(self.skipped),
-        )
-
-    def observation(self, clock: Any, lengths: np.ndarray) -> tuple[float, float, float]:
-        """What the re-planner records of this step (``DynamicPartitioner.observe``'s terms)."""
-        rec = self.record(clock)
-        batch = lengths[self.indices]
-        n, longest = len(batch), float(np.max(batch)) if len(batch) else 0.0
-        return (n * longest, n * longest * longest, rec.compute_s)
 
 
 def _lengths_and_cost(lengths: Any, costs: Any, cost_fn: Callable[..., Any] | None, balance: BalanceConfig,

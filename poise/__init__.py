@@ -12,8 +12,8 @@ setting, typed and validated). The command line (``poise train``, ``poise bench`
 built on the same API.
 """
 
-from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, RunConfig
+from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, RunConfig
 from poise.session import Session, Step
 
-__all__ = ["BalanceConfig", "CommConfig", "DiagnosticsConfig", "RunConfig", "Session", "Step"]
+__all__ = ["BalanceConfig", "CommConfig", "DiagnosticsConfig", "MetricsConfig", "RunConfig", "Session", "Step"]
 __version__ = "0.1.0"

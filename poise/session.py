@@ -12,7 +12,9 @@ group is up, gives you:
   measures this rank's data / compute / communication / idle / optimizer seconds, and feeds
   the re-planner;
 - ``state_dict()`` / ``load_state_dict()``: all of poise's state, for your checkpoints;
-- ``finish()``: ``report.json``, ``timeline.png`` and ``trace.json`` in ``out_dir``.
+- ``finish()``: ``report.json``, ``timeline.png``, ``trace.json`` and ``timeline.npz`` (the
+  per-rank per-step table ``poise diagnose run`` reads) in ``out_dir``;
+- ``metrics=MetricsConfig(port=...)``: live Prometheus metrics from rank 0 while it runs.
 
 Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -58,11 +60,12 @@ from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, instrumented
 from poise.comm.settle import settle_buckets
 from poise.comm.state import CommState
-from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig
+from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig
+from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.clock import HostClock, clock_for
 from poise.diagnostics.marks import StepMarks
-from poise.diagnostics.timeline import StepRecord, Timeline, write_chrome_trace
+from poise.diagnostics.timeline import StepRecord, Timeline, save_table, write_chrome_trace
 from poise.files import write_json_atomic
 from poise.runtime.slowdown import apply_slowdown
 
@@ -100,6 +103,8 @@ class Session:
         comm: a codec name (``none``, ``fp16``, ``topk``, ``powersgd``, ...) or a
             :class:`~poise.config.CommConfig` (codec, error feedback, collective, buckets).
         diagnostics: how often figures are gathered to rank 0 (a ``DiagnosticsConfig``).
+        metrics: a ``MetricsConfig`` with a port: rank 0 serves live Prometheus metrics,
+            updated at every gather (``poise/diagnostics/metrics.py``). None: off.
         out_dir: where :meth:`finish` writes (None: nothing is written, the report is returned).
         cost_fn: length -> cost units (a function of one number or of an array); default
             ``L + α·L²`` with the config's ``cost_alpha`` (attention) or α = 0 (linear).
@@ -134,6 +139,7 @@ class Session:
         rank_speed: str = "",
         comm: str | CommConfig = "none",
         diagnostics: DiagnosticsConfig | None = None,
+        metrics: MetricsConfig | None = None,
         out_dir: str | Path | None = None,
         cost_fn: Callable[..., Any] | None = None,
         seed: int = 0,
@@ -206,13 +212,18 @@ class Session:
 
         # Emulated slowness is installed around the step and the hook, never passed into them.
         self.slowdown = apply_slowdown(self.rank, self.balance.rank_speeds(), self.balance.slowdown_method,
-                                       torch.get_num_threads(), noise=self.balance.speed_noise, seed=seed)
+                                       torch.get_num_threads(), noise=self.balance.speed_noise, seed=seed,
+                                       noise_steps=self.balance.speed_noise_steps)
         self.clock = clock_for(self.device)
         self.probe = BucketProbe(self.clock)
         optimizer_steps = total_steps if total_steps is not None else 0
         self.compression_start = self.comm.compression_start(optimizer_steps, lr_warmup_steps)
         self.model, self.comm_state = self._wrap(model)
-        self.timeline = Timeline(self.rank, self.world_size, self.diagnostics.gather_every_steps, collective_device)
+        # -- live metrics (rank 0): fed by the timeline's gathers, no collective of their own
+        self.metrics = metrics_mod.start(metrics, self.world_size) if metrics is not None and self.rank == 0 else None
+        self.timeline = Timeline(self.rank, self.world_size, self.diagnostics.gather_every_steps, collective_device,
+                                 on_gather=self._publish_metrics if self.metrics is not None else None)
+        # -- end of live metrics
         self.steps_done = 0  # steps (micro-batches) recorded, over all epochs
         self.last_record: StepRecord | None = None
         self._pending: deque[StepMarks] = deque()
@@ -328,6 +339,11 @@ class Session:
             self.partitioner.observe(self.lengths[marks.indices], rec.compute_s)
         self.last_record = rec
 
+    def _publish_metrics(self, block: np.ndarray) -> None:
+        """Rank 0, after each gather: the new block to the metrics endpoint."""
+        assert self.metrics is not None
+        self.metrics.observe(block, replans=len(self.partitioner.history) if self.partitioner else 0)
+
     def _drain(self) -> None:
         while self._pending:
             self._take(self._pending.popleft())
@@ -418,12 +434,16 @@ class Session:
         }
         if self.out_dir is not None:
             write_outputs(self.out_dir, report, table, plot=self.diagnostics.plot)
+        if self.metrics is not None:
+            self.metrics.close()  # the job is over: release the port
         return report
 
 
 def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> None:
-    """Rank 0: report.json, trace.json and (optionally) timeline.png from the gathered ``table``."""
+    """Rank 0: report.json, timeline.npz, trace.json and (optionally) timeline.png from the
+    gathered ``table``."""
     write_json_atomic(out / "report.json", report)
+    save_table(table, out / "timeline.npz")  # for `poise diagnose run`
     write_chrome_trace(table, out / "trace.json")
     if plot:
         report_mod.plot_timeline(table, out / "timeline.png")

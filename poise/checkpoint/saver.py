@@ -96,8 +96,9 @@ class Checkpointer:
     def due(self, steps_done: int) -> bool:
         return self.settings.every_steps > 0 and steps_done % self.settings.every_steps == 0
 
-    def save(self, state: TrainingState) -> None:
-        """Snapshot ``state`` and write it (in the background with ``async_save``)."""
+    def save(self, state: TrainingState) -> float:
+        """Snapshot ``state`` and write it (in the background with ``async_save``); returns the
+        seconds the caller was held up (the stall: the snapshot, or the whole write when sync)."""
         start = time.perf_counter()
         self.wait()
         snapshot = TrainingState(
@@ -110,8 +111,9 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._write_guarded, args=(snapshot, stall), daemon=True,
                                             name=f"poise-checkpoint-{state.per_rank['step']}")
             self._thread.start()
-        else:
-            self._write(snapshot, stall_start=start)
+            return stall
+        self._write(snapshot, stall_start=start)
+        return time.perf_counter() - start
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is in place; re-raise its error."""

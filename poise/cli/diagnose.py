@@ -1,29 +1,42 @@
-"""``poise diagnose <what>``: measure the job's own hardware and network, print a table, write JSON.
+"""``poise diagnose <what>``: measure the job's own hardware and network, or read what a run wrote.
 
-Diagnostics are listed in one dict. Each module exposes ``HELP``, ``add_arguments(parser)``
-(its measurement options), ``check_arguments(args)`` (one-line ValueErrors before anything
-starts), ``forwarded_argv(args)`` and a ``main(argv)`` that runs on every worker; this
-command starts the workers with torch's elastic launcher, exactly as ``poise train`` does.
-Inside a job of your own, run the module directly: ``torchrun ... -m poise.diagnostics.busbw``.
+Two kinds, each listed in one dict:
+
+- measurements that run on workers (:data:`DIAGNOSTICS`: ``busbw``). Each module exposes
+  ``HELP``, ``add_arguments(parser)`` (its measurement options), ``check_arguments(args)``
+  (one-line ValueErrors before anything starts), ``forwarded_argv(args)`` and a ``main(argv)``
+  that runs on every worker; this command starts the workers with torch's elastic launcher,
+  exactly as ``poise train`` does. Inside a job of your own, run the module directly:
+  ``torchrun ... -m poise.diagnostics.busbw``.
+- checks in this process (:data:`LOCAL`): ``run DIR`` (the rules of
+  ``poise/diagnostics/rules.py`` over a finished run's report.json and timeline.npz) and
+  ``host`` (read-only host settings, ``poise/diagnostics/host.py``). Tables through rich;
+  ``--json`` prints the same as data.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from poise import config as cfg
 from poise.cluster import job as cluster_job
-from poise.diagnostics import busbw
+from poise.diagnostics import busbw, host, rules
+from poise.diagnostics.run import load_run
 from poise.launch.job import launch_job
+from poise.log import make_console
 
 DIAGNOSTICS: dict[str, ModuleType] = {"busbw": busbw}
+VERDICT_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "problem": "bold red"}
 
 
 def add_parser(sub: Any) -> None:
-    parser = sub.add_parser("diagnose", help="measure this job's network: prints a table and writes JSON")
+    parser = sub.add_parser("diagnose", help="measure the network, diagnose a finished run, check the host")
     kinds = parser.add_subparsers(dest="diagnostic", required=True, parser_class=type(parser))
     for name, module in DIAGNOSTICS.items():
         kind = kinds.add_parser(name, help=module.HELP, description=module.__doc__.splitlines()[0])
@@ -37,6 +50,10 @@ def add_parser(sub: Any) -> None:
                               help="run on an emulated cluster of N nodes x M workers (see poise cluster; root)")
         launcher.add_argument("--cluster-name", default="", help="run on this cluster from 'poise cluster up'")
         kind.set_defaults(run=run, module=module)
+    for name, (help_, add, run_local) in LOCAL.items():
+        kind = kinds.add_parser(name, help=help_, description=help_)
+        add(kind)
+        kind.set_defaults(run=run_local)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,3 +94,72 @@ def _cluster_settings(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "link", ""):
         settings["link"] = args.link
     return settings
+
+
+# -- checks in this process --------------------------------------------------------------
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="a run's output directory (report.json and timeline.npz)")
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON instead of a table")
+    parser.add_argument("--link", default="", help="the job's line rate (e.g. 1gbit) when the run does not record it")
+    parser.add_argument("--rules", default="", help=f"only these rules, comma-separated: {', '.join(rules.RULES)}")
+
+
+def _run_rules(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.rules.split(",") if n.strip()] or None
+    findings = rules.evaluate(load_run(args.dir, link=args.link), names)
+    if args.json:
+        sys.stdout.write(json.dumps([f.to_dict() for f in findings], indent=2) + "\n")
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"poise diagnose run {args.dir}")
+    for header in ("verdict", "rule", "rank", "finding", "threshold"):
+        table.add_column(header)
+    for f in findings:
+        style = VERDICT_STYLE[f.verdict]
+        table.add_row(f"[{style}]{f.verdict}[/]", f.rule, "" if f.rank is None else str(f.rank), f.summary,
+                      f.threshold)
+    console = make_console()
+    console.print(table)
+    for f in findings:
+        if f.verdict != "ok":
+            figures = ", ".join(f"{k} {v}" for k, v in f.evidence.items())
+            console.print(f"[{VERDICT_STYLE[f.verdict]}]{f.rule}[/]: {f.summary}\n  evidence: {figures}\n"
+                          f"  try: {f.advice}", highlight=False)
+    if all(f.verdict == "ok" for f in findings):
+        console.print("no problem found")
+    return 0
+
+
+def _add_host_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON instead of a table")
+    parser.add_argument("--nproc", type=int, default=2, help="workers per machine the job runs (threads check)")
+    parser.add_argument("--ifname", default="", help="the job's network interface (default: GLOO_SOCKET_IFNAME, "
+                        "else the default route's)")
+
+
+def _run_host(args: argparse.Namespace) -> int:
+    checks = host.check_host(nproc=args.nproc, ifname=args.ifname)
+    if args.json:
+        sys.stdout.write(json.dumps([c.to_dict() for c in checks], indent=2) + "\n")
+        return 0
+    from rich.table import Table
+
+    table = Table(title="poise diagnose host (read-only: nothing is changed)")
+    for header in ("", "setting", "current", "recommended", "command"):
+        table.add_column(header)
+    for c in checks:
+        table.add_row(f"[{VERDICT_STYLE[c.verdict]}]{c.verdict}[/]", c.name, c.current, c.recommended, c.command)
+    make_console().print(table)
+    return 0
+
+
+# name -> (help, add_arguments, run)
+LOCAL: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "run": ("where a finished run's time went, and what to change: rules over its report.json and timeline.npz",
+            _add_run_arguments, _run_rules),
+    "host": ("read-only checks of this host's network and CPU settings, with the commands that set them",
+             _add_host_arguments, _run_host),
+}

@@ -205,6 +205,8 @@ class BalanceConfig:
                              "or '1:0.5@80' (slowed from step 80 on)")
     speed_noise: float = _field(0.0, "emulated noise: every rank's compute in every step is stretched by 1 + X, "
                                 "X exponential with this mean (sleeps; 0 = none)")
+    speed_noise_steps: int = _field(1, "emulated noise: steps in a row that share one draw of X (bursts of "
+                                    "contention; 1 = a fresh draw every step)")
     slowdown_method: str = _field("auto", "how rank_speed slows a rank: auto, cgroup (CPU quota), sleep")
 
     def __post_init__(self) -> None:
@@ -218,6 +220,7 @@ class BalanceConfig:
             raise ValueError(f"balance.cost_alpha={self.cost_alpha} must be >= 0")
         _positive("balance", "bucket_steps", self.bucket_steps, allow_none=False)
         _positive("balance", "replan_every_steps", self.replan_every_steps, allow_none=False)
+        _positive("balance", "speed_noise_steps", self.speed_noise_steps, allow_none=False)
         if self.cold_start_steps < 1:
             raise ValueError(f"balance.cold_start_steps={self.cold_start_steps} must be >= 1")
         if not 20 <= self.window_steps <= 100:
@@ -401,15 +404,42 @@ class DiagnosticsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """Live metrics for Prometheus, served by rank 0 (see poise/diagnostics/metrics.py)."""
+
+    port: int | None = _field(
+        None, "serve Prometheus metrics on this TCP port from rank 0 (0 = a free port, logged; unset = off)"
+    )
+    host: str = _field("127.0.0.1", "address the metrics endpoint binds to (0.0.0.0: every interface)")
+
+    def __post_init__(self) -> None:
+        if self.port is not None and (isinstance(self.port, bool) or not 0 <= self.port <= 65535):
+            raise ValueError(f"metrics.port={self.port!r} is outside 0-65535 (0 picks a free port)")
+        if not self.host.strip():
+            raise ValueError("metrics.host is empty: give an address such as 127.0.0.1 or 0.0.0.0")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the endpoint is served at all."""
+        return self.port is not None
+
+
+@dataclass(frozen=True, kw_only=True)
 class FaultConfig:
     """Injected failures, for tests and demos of the failure path (see runtime/faults.py)."""
 
     fail_at: str = _field(
         "", "RANK:STEP: that worker kills itself (SIGKILL) before that step, in the launcher's first attempt only"
     )
+    data_delay_s: float = _field(
+        0.0, "emulated slow input pipeline: every batch takes this many more seconds to load on every rank "
+        "(sleeps in the DataLoader's collate; 0 = none)"
+    )
 
     def __post_init__(self) -> None:
         self.rank_step()  # validates
+        if not 0.0 <= self.data_delay_s <= 60.0:  # also refuses nan
+            raise ValueError(f"faults.data_delay_s={self.data_delay_s} is outside [0, 60] seconds")
 
     def rank_step(self) -> tuple[int, int] | None:
         """``fail_at`` parsed: ``(rank, step)``, or None when no failure is planned."""
@@ -501,6 +531,7 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -14,12 +14,17 @@ ranks). On CUDA the marks are CUDA events, read after the step (``diagnostics/cl
 
 Records are gathered to rank 0 every ``gather_every_steps`` steps with one ``gather`` of a
 small float64 tensor, not every step, so measuring costs one tiny collective per interval.
-Rank 0 keeps the full history and exports it as a Chrome trace (open in Perfetto).
+Rank 0 keeps the full history and exports it as a Chrome trace (open in Perfetto) and as
+``timeline.npz`` (:func:`save_table`), the table itself with its field names, which
+``poise diagnose run`` reads back (:func:`load_table`) for any run, a user's script included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from poise.files import write_json_atomic
+from poise.files import write_atomic, write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -75,13 +80,16 @@ class Timeline:
     point, because gathering is a collective.
     """
 
-    def __init__(self, rank: int, world_size: int, gather_every_steps: int, device: torch.device):
+    def __init__(self, rank: int, world_size: int, gather_every_steps: int, device: torch.device,
+                 on_gather: Callable[[np.ndarray], None] | None = None):
         self.rank = rank
         self.world_size = world_size
         self.gather_every_steps = gather_every_steps
         self.device = device
         self._pending: list[StepRecord] = []
         self._gathered: list[np.ndarray] = []  # rank 0 only: [world, n, fields] blocks
+        # rank 0: called with each newly gathered block (the live metrics), no collective of its own
+        self.on_gather = on_gather
 
     def record(self, rec: StepRecord) -> None:
         """Add this rank's record; gathers to rank 0 when the interval is full."""
@@ -100,12 +108,16 @@ class Timeline:
         )
         self._pending.clear()
         if self.world_size == 1:
-            self._gathered.append(mine.cpu().numpy()[None])
-            return
-        bucket = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(mine, gather_list=bucket, dst=0)
-        if bucket is not None:
-            self._gathered.append(torch.stack(bucket).cpu().numpy())
+            block = mine.cpu().numpy()[None]
+        else:
+            bucket = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+            dist.gather(mine, gather_list=bucket, dst=0)
+            if bucket is None:
+                return
+            block = torch.stack(bucket).cpu().numpy()
+        self._gathered.append(block)
+        if self.on_gather is not None:
+            self.on_gather(block)
 
     def table(self) -> np.ndarray:
         """Rank 0: array ``[world_size, steps, len(FIELDS)]`` of everything gathered so far."""
@@ -121,6 +133,58 @@ def column(table: np.ndarray, name: str) -> np.ndarray:
     if name == "compute_s":
         return column(table, "forward_s") + column(table, "backward_s")
     return table[:, :, FIELDS.index(name)]
+
+
+TABLE_FORMAT = "poise-timeline-1"
+
+
+class TimelineFileError(ValueError):
+    """A timeline file that cannot be used (truncated, not a timeline, fields missing); one line."""
+
+
+def save_table(table: np.ndarray, path: str | Path) -> Path:
+    """Write a gathered ``table`` ``[ranks, steps, fields]`` with its field names to ``path``
+    (npz, compressed, atomic): what a run leaves for ``poise diagnose run``."""
+    def write(handle: io.BufferedIOBase) -> None:
+        np.savez_compressed(handle, table=np.asarray(table, dtype=np.float64), fields=np.array(FIELDS),
+                            format=np.array(TABLE_FORMAT))
+    return write_atomic(path, write)
+
+
+def load_table(path: str | Path) -> np.ndarray:
+    """Read a file of :func:`save_table` back as ``[ranks, steps, len(FIELDS)]`` in today's field order.
+
+    Fields are matched by name, so a file with extra fields still loads; a missing field, a
+    truncated file, an array of the wrong shape or non-finite durations raise one line.
+
+    Raises:
+        TimelineFileError: naming the file and what is wrong with it.
+    """
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            names = [str(n) for n in data["fields"]]
+            table = np.asarray(data["table"], dtype=np.float64)
+            fmt = str(data["format"]) if "format" in data.files else ""
+    except FileNotFoundError:
+        raise TimelineFileError(f"{path}: no such file (Session.finish writes it with out_dir set)") from None
+    except (zipfile.BadZipFile, EOFError, OSError, KeyError, ValueError) as exc:
+        raise TimelineFileError(f"{path}: not a readable poise timeline ({type(exc).__name__}: {exc})") from None
+    if fmt != TABLE_FORMAT:
+        raise TimelineFileError(f"{path}: format {fmt!r}, expected {TABLE_FORMAT!r}")
+    if table.ndim != 3 or table.shape[2] != len(names):
+        raise TimelineFileError(f"{path}: table of shape {list(table.shape)} does not match its {len(names)} "
+                                "field names (expected [ranks, steps, fields])")
+    missing = [f for f in FIELDS if f not in names]
+    if missing:
+        raise TimelineFileError(f"{path}: fields {', '.join(missing)} are missing (written by another poise version?)")
+    table = table[:, :, [names.index(f) for f in FIELDS]]
+    if table.shape[0] == 0 or table.shape[1] == 0:
+        raise TimelineFileError(f"{path}: no steps recorded ({table.shape[0]} ranks, {table.shape[1]} steps)")
+    durations = [FIELDS.index(f) for f in ("data_s", "forward_s", "backward_s", "comm_wait_s", "optim_s", "step_s")]
+    if not np.all(np.isfinite(table[:, :, durations])) or np.any(table[:, :, durations] < -1e-6):
+        raise TimelineFileError(f"{path}: durations are not finite non-negative seconds")
+    return table
 
 
 def chrome_trace(table: np.ndarray) -> dict:

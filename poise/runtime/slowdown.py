@@ -5,7 +5,9 @@ the work done — a rank at speed 0.5 takes twice as long for the same batch —
 has something real to learn; it is never a constant delay. ``1:0.5@80`` slows rank 1 from
 step 80 on (a device that degrades mid-run). ``balance.speed_noise`` adds noise to every
 rank: each step's compute is stretched by ``1 + X``, ``X`` exponential with that mean (drawn
-per rank and step from the run's seed), always by sleeping. Two methods for the speed:
+per rank and step from the run's seed; with ``balance.speed_noise_steps`` N, one draw holds
+for N steps in a row: bursts of contention, as other jobs on a host cause), always by
+sleeping. Two methods for the speed:
 
 - ``cgroup``: a real CPU quota from the kernel's CPU controller (cgroup v1 ``cpu`` or v2
   ``cpu.max``): the process gets ``speed × threads`` CPUs. Needs root and a writable cgroup fs.
@@ -49,6 +51,7 @@ class Slowdown:
     method: str = "none"
     from_step: int = 0  # slowed from this step on
     noise: float = 0.0  # mean of the per-step exponential stretch X (0: none)
+    noise_steps: int = 1  # steps that share one draw of X (bursts)
     seed: int = 0
     threads: int = 1  # CPUs of the full-speed quota (cgroup method)
     group: Path | None = field(default=None, repr=False)  # the cgroup (cgroup method)
@@ -64,7 +67,7 @@ class Slowdown:
             self._lowered = True
         factor = 1.0 / self.speed if self.method == "sleep" and slowed else 1.0
         if self.noise > 0:
-            factor *= 1.0 + float(np.random.default_rng([self.seed, step]).exponential(self.noise))
+            factor *= 1.0 + float(np.random.default_rng([self.seed, step // self.noise_steps]).exponential(self.noise))
         self._extra = factor - 1.0
 
     def stretch(self) -> None:
@@ -143,7 +146,7 @@ def _set_quota(group: Path, cpus: float) -> None:
 
 
 def apply_slowdown(rank: int, rank_speeds: dict[int, tuple[float, int]], method: str, threads: int,
-                   noise: float = 0.0, seed: int = 0) -> Slowdown:
+                   noise: float = 0.0, seed: int = 0, noise_steps: int = 1) -> Slowdown:
     """Slow this rank as configured (``rank_speeds``: rank -> (speed, from step); ``method`` auto,
     cgroup or sleep); returns what runs. Call :meth:`Slowdown.begin_step` at every step.
 
@@ -151,7 +154,7 @@ def apply_slowdown(rank: int, rank_speeds: dict[int, tuple[float, int]], method:
         OSError: when ``method='cgroup'`` was asked for and cgroups cannot be written.
     """
     speed, from_step = rank_speeds.get(rank, (1.0, 0))
-    noisy = {"noise": noise, "seed": seed * 1000 + rank}
+    noisy = {"noise": noise, "seed": seed * 1000 + rank, "noise_steps": noise_steps}
     if speed >= 1.0:
         return Slowdown(**noisy)
     if method in ("auto", "cgroup"):

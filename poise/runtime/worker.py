@@ -169,7 +169,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     model = task.build_model().to(ctx.device)
     freeze(model, tc.frozen_prefixes())
     session = Session(model, sampler=sampler, loss_terms=task.train_targets, balance=config.balance,
-                      comm=config.comm, diagnostics=config.diagnostics, out_dir=config.out_dir,
+                      comm=config.comm, diagnostics=config.diagnostics, metrics=config.metrics, out_dir=config.out_dir,
                       accum_steps=tc.accum_steps, total_steps=optimizer_steps, lr_warmup_steps=warmup)
     ddp = session.model
     trainable = [p for p in ddp.parameters() if p.requires_grad]
@@ -200,16 +200,18 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
 
     def save(steps_done: int) -> None:
         assert saver is not None
-        saver.save(checkpoint.capture(step=steps_done, model=ddp.module, optimizer=optimizer, scheduler=scheduler,
-                                      session=session, world_size=ctx.world_size,
-                                      in_window=steps_done % tc.accum_steps != 0))
+        stall_s = saver.save(checkpoint.capture(step=steps_done, model=ddp.module, optimizer=optimizer,
+                                                scheduler=scheduler, session=session, world_size=ctx.world_size,
+                                                in_window=steps_done % tc.accum_steps != 0))
+        if session.metrics is not None:
+            session.metrics.observe_checkpoint(stall_s)
     log.info(
         "training %s: %d params, %d train samples, %d steps, balance %s, codec %s",
         task.name, sum(p.numel() for p in ddp.parameters()), len(task.train_lengths), total_micro,
         config.balance.strategy, config.comm.codec,
     )
 
-    loader = DataLoader(task.train_set, batch_sampler=session.sampler, collate_fn=task.collate)
+    loader = DataLoader(task.train_set, batch_sampler=session.sampler, collate_fn=faults.wrap_collate(task.collate))
     steps_done = start_step
     last_saved = start_step if resumed_from else None
     epoch = session.sampler.epoch

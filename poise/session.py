@@ -406,20 +406,38 @@ class Session:
 
         ``extra`` is added to the report (your eval metrics, say); ``loss_scale`` converts the
         recorded training loss (nats, as your loss returns it) into the unit you report.
-        Returns the report on rank 0, None elsewhere.
+        Returns the report on rank 0, None elsewhere; every rank returns once the outputs are
+        on disk (so no rank tears the process group down while rank 0 still writes).
+
+        Raises:
+            ValueError: inside an open step, or when no step was recorded (on every rank).
+            RuntimeError: on the other ranks, when rank 0 could not write (rank 0 re-raises its error).
         """
         if self._active is not None:
             raise ValueError("session.finish() inside an open step")
+        if self.steps_done == 0:
+            raise ValueError("session.finish(): no step was recorded: run steps inside `with session.step()`")
         self._drain()
         self.timeline.flush()
         slowdowns: list[Any] = [None] * self.world_size
         dist.all_gather_object(slowdowns, {"speed": self.slowdown.speed, "method": self.slowdown.method,
                                            "from_step": self.slowdown.from_step, "noise": self.slowdown.noise})
-        if self.rank != 0:
-            return None
+        report, failure, error = None, [None], None
+        if self.rank == 0:
+            try:
+                report = self._report(slowdowns, extra, loss_scale)
+            except Exception as exc:  # the other ranks must hear of it, not wait for a collective
+                failure[0], error = f"{type(exc).__name__}: {exc}", exc
+        dist.broadcast_object_list(failure, src=0)
+        if error is not None:
+            raise error
+        if failure[0] is not None:
+            raise RuntimeError(f"rank 0 could not write the run's outputs: {failure[0]}")
+        return report
+
+    def _report(self, slowdowns: list[Any], extra: dict[str, Any] | None, loss_scale: float) -> dict[str, Any]:
+        """Rank 0: the report from the gathered timeline, written into ``out_dir`` if set."""
         table = self.timeline.table()
-        if table.shape[1] == 0:
-            raise ValueError("session.finish(): no step was recorded: run steps inside `with session.step()`")
         report: dict[str, Any] = {
             "world_size": self.world_size,
             "backend": self.backend,

@@ -15,6 +15,7 @@ mixed precision). The loop is then a session loop (``poise/session.py``)::
         optimizer.step()
         optimizer.zero_grad()
     session.finish()
+    accelerator.end_training()                                 # destroys the process group
 
 The training DataLoader must not go through ``accelerator.prepare``: Accelerate would shard
 its batches a second time (each rank taking every other batch of its own plan), and the

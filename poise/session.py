@@ -52,9 +52,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from poise.balance.costs import AttentionCost, CostFn, as_cost_fn, linear_cost
-from poise.balance.rebalance import DynamicPartitioner
-from poise.balance.sampler import DEFAULT_ALPHA, BalancedBatchSampler, StaticSchedule, make_sampler
+from poise.balance.rebalance import DynamicPartitioner, window_terms
+from poise.balance.sampler import BalancedBatchSampler, StaticSchedule, make_sampler, sampler_inputs
 from poise.balance.weights import loss_weight
 from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, instrumented
@@ -65,8 +64,7 @@ from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.clock import HostClock, clock_for
 from poise.diagnostics.marks import StepMarks
-from poise.diagnostics.timeline import StepRecord, Timeline, save_table, write_chrome_trace
-from poise.files import write_json_atomic
+from poise.diagnostics.timeline import StepRecord, Timeline
 from poise.runtime.slowdown import apply_slowdown
 
 log = logging.getLogger(__name__)
@@ -187,15 +185,17 @@ class Session:
                 raise ValueError(f"balance 'dynamic' re-plans a BalancedBatchSampler, not a {type(sampler).__name__}")
             self.sampler: Sampler = sampler
         else:
-            values, cost = _lengths_and_cost(lengths, costs, cost_fn, self.balance, dataset, self.loss_terms)
+            values, cost = sampler_inputs(lengths, costs, cost_fn, self.balance.cost_model, self.balance.cost_alpha,
+                                          len(dataset) if dataset is not None else
+                                          None if self.loss_terms is None else len(self.loss_terms))
             self.sampler = make_sampler(self.balance.strategy, values, rank=self.rank, world_size=self.world_size,
                                         cost_fn=cost, seed=seed, batch_size=batch_size, batch_tokens=batch_tokens,
                                         batch_cost=batch_cost, bucket_steps=self.balance.bucket_steps)
         self.lengths: np.ndarray = self.sampler.lengths
         if self.loss_terms is not None and len(self.loss_terms) != len(self.lengths):
             raise ValueError(f"loss_terms has {len(self.loss_terms)} entries but there are {len(self.lengths)} samples")
-        if dataset is not None and len(dataset) != len(self.lengths):
-            raise ValueError(f"the dataset has {len(dataset)} samples but lengths has {len(self.lengths)}")
+        if dataset is not None:
+            self._check_dataset(dataset)
 
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
@@ -260,9 +260,12 @@ class Session:
     def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
         """``DataLoader(dataset, batch_sampler=self.sampler, **kwargs)``, after checking that
         the dataset has one sample per entry of ``lengths``."""
+        self._check_dataset(dataset)
+        return DataLoader(dataset, batch_sampler=self.sampler, **kwargs)
+
+    def _check_dataset(self, dataset: Any) -> None:
         if len(dataset) != len(self.lengths):
             raise ValueError(f"the dataset has {len(dataset)} samples but lengths has {len(self.lengths)}")
-        return DataLoader(dataset, batch_sampler=self.sampler, **kwargs)
 
     def settle_buckets(self, forward_backward: Callable[[], None]) -> None:
         """Before :meth:`load_state_dict` of a run with a lossy codec: one throw-away
@@ -363,7 +366,7 @@ class Session:
         window = None
         if partitioner is not None:
             window = partitioner.pop("window")
-            window += [m.observation(self.clock, self.lengths) for m in self._pending]
+            window += [window_terms(self.lengths[m.indices], m.record(self.clock).compute_s) for m in self._pending]
         return {
             "rank": self.rank, "world_size": self.world_size, "steps_done": self.steps_done,
             "sampler": self.sampler.state_dict(position=claimed),
@@ -451,20 +454,10 @@ class Session:
             **(extra or {}),
         }
         if self.out_dir is not None:
-            write_outputs(self.out_dir, report, table, plot=self.diagnostics.plot)
+            report_mod.write_outputs(self.out_dir, report, table, plot=self.diagnostics.plot)
         if self.metrics is not None:
             self.metrics.close()  # the job is over: release the port
         return report
-
-
-def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> None:
-    """Rank 0: report.json, timeline.npz, trace.json and (optionally) timeline.png from the
-    gathered ``table``."""
-    write_json_atomic(out / "report.json", report)
-    save_table(table, out / "timeline.npz")  # for `poise diagnose run`
-    write_chrome_trace(table, out / "trace.json")
-    if plot:
-        report_mod.plot_timeline(table, out / "timeline.png")
 
 
 class Step:
@@ -583,36 +576,6 @@ class Step:
             self.abort()
         else:
             self.end()
-
-
-def _lengths_and_cost(lengths: Any, costs: Any, cost_fn: Callable[..., Any] | None, balance: BalanceConfig,
-                      dataset: Any, loss_terms: np.ndarray | None) -> tuple[np.ndarray, CostFn]:
-    """The per-sample metadata the sampler plans with, and the cost function of it (without
-    either, every sample of ``dataset`` or ``loss_terms`` costs 1)."""
-    if lengths is not None and costs is not None:
-        raise ValueError("give lengths= or costs=, not both")
-    if costs is not None:
-        if cost_fn is not None:
-            raise ValueError("costs= are used as they are: cost_fn= applies to lengths=")
-        values = np.asarray(costs, dtype=np.float64)
-        cost: CostFn = linear_cost()
-    else:
-        values = None if lengths is None else np.asarray(lengths)
-        if cost_fn is not None:
-            cost = as_cost_fn(cost_fn)
-        elif balance.cost_model == "linear" or values is None:
-            cost = linear_cost()
-        else:
-            cost = AttentionCost(balance.cost_alpha if balance.cost_alpha is not None else DEFAULT_ALPHA)
-    if values is None:
-        if dataset is None and loss_terms is None:
-            raise ValueError("give lengths= (or costs=, or dataset=): the sampler needs the number of samples")
-        values = np.ones(len(dataset) if dataset is not None else len(loss_terms), dtype=np.int64)  # type: ignore[arg-type]
-    else:
-        if values.ndim != 1 or len(values) == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):
-            raise ValueError(f"{'costs' if costs is not None else 'lengths'} must be one positive number per "
-                             f"sample (got shape {list(values.shape)})")
-    return values, cost
 
 
 __all__ = ["RANK_KEYS", "Session", "Step"]

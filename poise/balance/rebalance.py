@@ -133,6 +133,13 @@ def next_shares(current: np.ndarray, speeds: np.ndarray, max_change: float) -> n
     return shares / shares.sum()
 
 
+def window_terms(batch_lengths: np.ndarray, compute_s: float) -> tuple[float, float, float]:
+    """What the re-planner records of one step: the padded cost terms of the rank's batch
+    (``n·Lmax``, ``n·Lmax²``, from which any α gives the cost) and its own compute seconds."""
+    n, longest = len(batch_lengths), float(np.max(batch_lengths)) if len(batch_lengths) else 0.0
+    return (n * longest, n * longest * longest, compute_s)
+
+
 @dataclass(frozen=True)
 class Replan:
     """One re-plan, for logs and the report."""
@@ -178,8 +185,7 @@ class DynamicPartitioner:
         self._observed += 1
         if self._observed == 1:
             return  # DDP's bucket rebuild and lazy allocations: not this rank's speed
-        n, longest = len(batch_lengths), float(np.max(batch_lengths)) if len(batch_lengths) else 0.0
-        self.window.append((n * longest, n * longest * longest, compute_s))
+        self.window.append(window_terms(batch_lengths, compute_s))
 
     def due(self, steps_done: int) -> bool:
         """Whether to re-plan before the next step, after ``steps_done`` steps in total."""

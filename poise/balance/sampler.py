@@ -36,13 +36,13 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-from poise.balance.costs import AttentionCost, CostFn, as_cost_fn
+from poise.balance.costs import AttentionCost, CostFn, as_cost_fn, linear_cost
 from poise.balance.sharding import plan_epoch, take_step
 
 # cost(L) = L + α·L² with α ≈ 1/(6·d_model): a prior for small transformers; pass your own.
@@ -448,3 +448,39 @@ def make_sampler(
             batch_cost = world_size * batch_size * float(cost(lengths).mean())
     return BalancedBatchSampler(lengths, rank=rank, world_size=world_size, batch_cost=batch_cost, cost_fn=cost,
                                 seed=seed, bucket_steps=bucket_steps)
+
+
+def sampler_inputs(lengths: Any, costs: Any, cost_fn: Callable[..., Any] | None, cost_model: str,
+                   cost_alpha: float | None, num_samples: int | None) -> tuple[np.ndarray, CostFn]:
+    """The per-sample metadata a sampler plans with, and its cost function, from what a user
+    gives: ``lengths`` (cost ``cost_fn``, else by ``cost_model``: linear, or ``L + α·L²``
+    with ``cost_alpha`` or the prior) or ``costs`` (used as they are); with neither, each of
+    ``num_samples`` samples costs 1.
+
+    Raises:
+        ValueError: for both or none of them, or values that are not one positive number per sample.
+    """
+    if lengths is not None and costs is not None:
+        raise ValueError("give lengths= or costs=, not both")
+    if costs is not None:
+        if cost_fn is not None:
+            raise ValueError("costs= are used as they are: cost_fn= applies to lengths=")
+        values = np.asarray(costs, dtype=np.float64)
+        cost: CostFn = linear_cost()
+    else:
+        values = None if lengths is None else np.asarray(lengths)
+        if cost_fn is not None:
+            cost = as_cost_fn(cost_fn)
+        elif cost_model == "linear" or values is None:
+            cost = linear_cost()
+        else:
+            cost = AttentionCost(cost_alpha if cost_alpha is not None else DEFAULT_ALPHA)
+    if values is None:
+        if num_samples is None:
+            raise ValueError("give lengths= (or costs=, or dataset=): the sampler needs the number of samples")
+        values = np.ones(num_samples, dtype=np.int64)
+    else:
+        if values.ndim != 1 or len(values) == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+            raise ValueError(f"{'costs' if costs is not None else 'lengths'} must be one positive number per "
+                             f"sample (got shape {list(values.shape)})")
+    return values, cost

@@ -66,10 +66,3 @@ class StepMarks:
             inter_node_wire_bytes=self.inter_node_wire_bytes, codec_s=self.codec_s, comm_busy_s=busy,
             comm_hidden_s=hidden, skipped=int(self.skipped),
         )
-
-    def observation(self, clock: Any, lengths: np.ndarray) -> tuple[float, float, float]:
-        """What the re-planner records of this step (``DynamicPartitioner.observe``'s terms)."""
-        rec = self.record(clock)
-        batch = lengths[self.indices]
-        n, longest = len(batch), float(np.max(batch)) if len(batch) else 0.0
-        return (n * longest, n * longest * longest, rec.compute_s)

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from poise.balance.metrics import balance, idle_fraction
-from poise.diagnostics.timeline import column
+from poise.diagnostics.timeline import column, save_table, write_chrome_trace
+from poise.files import write_json_atomic
 
 WARMUP_STEPS = 1
 _PER_RANK_FIELDS = (
@@ -122,6 +123,16 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         # training loss against real tokens seen, all ranks together: [[tokens, loss], ...]
         "loss_curve": [[float(t), float(v)] for t, v in zip(np.cumsum(step_tokens.sum(axis=0)), losses, strict=True)],
     }
+
+
+def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> None:
+    """Rank 0: report.json, timeline.npz, trace.json and (optionally) timeline.png from the
+    gathered ``table``."""
+    write_json_atomic(out / "report.json", report)
+    save_table(table, out / "timeline.npz")  # for `poise diagnose run`
+    write_chrome_trace(table, out / "trace.json")
+    if plot:
+        plot_timeline(table, out / "timeline.png")
 
 
 def plot_timeline(table: np.ndarray, path: str | Path) -> Path:

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 # What a job may find in its output directory without it being another run's: the config a
-# sibling node of the same multi-node job wrote there a moment earlier.
+# sibling node of the same multi-node job wrote there a moment earlier, and logs whoever started
+# the job keeps beside it (``poise bench`` writes ``train.log`` there); poise writes no ``*.log``.
 _SHARED_OUTPUTS = {"config.toml"}
 
 
@@ -61,12 +62,13 @@ def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse to write over an earlier run's outputs.
 
     Raises:
-        ValueError: ``out_dir`` holds files other than a ``config.toml``, and neither
+        ValueError: ``out_dir`` holds anything but a ``config.toml`` and ``*.log`` files, and neither
             ``resume`` nor ``overwrite`` is set.
     """
     if resume or overwrite or not out_dir.is_dir():
         return
-    found = sorted(p.name for p in out_dir.iterdir() if p.name not in _SHARED_OUTPUTS)
+    found = sorted(p.name for p in out_dir.iterdir()
+                   if p.name not in _SHARED_OUTPUTS and not (p.suffix == ".log" and p.is_file()))
     if found:
         raise ValueError(f"output directory {str(out_dir)!r} already holds a run ({', '.join(found[:4])}"
                          f"{', ...' if len(found) > 4 else ''}): pass --resume to continue it, --overwrite to "

@@ -68,7 +68,9 @@ def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     if resume or overwrite or not out_dir.is_dir():
         return
     found = sorted(p.name for p in out_dir.iterdir()
-                   if p.name not in _SHARED_OUTPUTS and not (p.suffix == ".log" and p.is_file()))
+                   if p.name not in _SHARED_OUTPUTS and not (p.suffix == ".log" and p.is_file())
+                   # a sibling node's empty checkpoint directory (with at most its lock): nothing to overwrite
+                   and not (p.is_dir() and {c.name for c in p.iterdir()} <= {".lock"}))
     if found:
         raise ValueError(f"output directory {str(out_dir)!r} already holds a run ({', '.join(found[:4])}"
                          f"{', ...' if len(found) > 4 else ''}): pass --resume to continue it, --overwrite to "

@@ -63,6 +63,15 @@ def test_an_earlier_run_is_not_overwritten(tmp_path):
     assert config.out_dir == str(tmp_path.resolve())
 
 
+def test_what_a_sibling_node_or_a_bench_left_is_not_a_run(tmp_path):
+    (tmp_path / "config.toml").write_text("")
+    (tmp_path / "train.log").write_text("")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / ".lock").write_text("")
+    config, _ = _record("--out", str(tmp_path))
+    assert config.out_dir == str(tmp_path.resolve())
+
+
 def test_default_output_directories_do_not_collide_within_a_second(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(train_cli.time, "strftime", lambda fmt: "20250101-000000")

@@ -21,7 +21,7 @@ def test_fault_soak_slice_loses_nothing(tmp_path):
     assert len(rows) == 2
     for row in rows:
         assert {"fault", "finished", "samples_lost", "samples_duplicated", "params_match", "hung"} <= set(row)
-        assert row["finished"] and row["params_match"] and not row["hung"], row
+        assert row["outcome"] == "recovered" and row["finished"] and row["params_match"] and not row["hung"], row
         assert row["samples_lost"] == row["samples_duplicated"] == 0, row
 
 

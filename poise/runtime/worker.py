@@ -264,6 +264,11 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         saver.wait()
     if samples is not None:
         samples.close()
+    if resumed_from is not None and steps_done == start_step:
+        # resumed from the run's final checkpoint (the failure came after it, in evaluation or
+        # the report): no step ran in this attempt, so there is nothing to report
+        log.warning("resumed from %s, the run's final checkpoint: nothing left to train", resumed_from)
+        return None
 
     if config.comm.local_first:
         # the ranks' weights differ by their unsent residuals: evaluate the weights rank 0 saved

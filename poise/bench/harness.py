@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.files import write_json_atomic
+from poise.launch.processes import end_tree
 from poise.log import make_console
 
 log = logging.getLogger(__name__)
@@ -45,11 +46,28 @@ def run_train_job(
     log.info("bench job %s: poise %s %s", name, command, " ".join(train_args))
     log_path = out / f"{command}.log"
     with open(log_path, "w") as log_file:
-        proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s)
-    if proc.returncode != 0:
+        code = run_bounded(cmd, log_file, timeout_s)
+    if code is None:
+        raise RuntimeError(f"bench job {name} ran past its limit of {timeout_s:g} s and was ended (see {log_path})")
+    if code != 0:
         tail = (log_path.read_text().strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"bench job {name} failed (exit {proc.returncode}, see {log_path}): {tail}")
+        raise RuntimeError(f"bench job {name} failed (exit {code}, see {log_path}): {tail}")
     return json.loads((out / "report.json").read_text())
+
+
+def run_bounded(cmd: Sequence[str], log_file: Any, timeout_s: float) -> int | None:
+    """Run ``cmd`` with its output in ``log_file``; its exit code, or None when it ran past
+    ``timeout_s`` seconds: then it and every process below it (the launcher's workers, which
+    live in sessions of their own) are ended (:func:`poise.launch.processes.end_tree`)."""
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        end_tree(proc)
+        return None
+    except BaseException:
+        end_tree(proc)
+        raise
 
 
 def show_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> None:

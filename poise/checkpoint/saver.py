@@ -32,6 +32,7 @@ from poise.config import RunConfig, config_hash
 log = logging.getLogger(__name__)
 
 MIN_DELTA_NUMEL = 4096  # smaller tensors are stored whole: a delta would save next to nothing
+_TOKEN_KEY = "checkpoint/token"
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,25 @@ class Checkpointer:
             self._delta_codecs = {"model": codecs.make(self.settings.delta_codec), "optim": codecs.make("bf16")}
         self._restored: dict[str, torch.Tensor] = {}
         self._true_digest: dict[str, str] = {}
+        # names of this writer's own saves (and others it verified): retention skips re-checking them
+        self._verified: set[str] = set()
+        self._token: str | None = None
+        if rank == 0:
+            # before training starts: a file in the way, or another job on the directory, stops
+            # the run now instead of at its first save
+            layout.check_directory(self.root)
+            layout.lock(self.root)
+            self._token = layout.new_token()
+            if store is not None:
+                store.set(_TOKEN_KEY, self._token)
+
+    def token(self) -> str:
+        """This attempt's writer token (names partial folders): rank 0's, shared through the store."""
+        if self._token is None:
+            assert self.store is not None, "a multi-rank checkpoint needs the job's store"
+            self.store.wait([_TOKEN_KEY], timedelta(seconds=self.timeout_s))
+            self._token = self.store.get(_TOKEN_KEY).decode()
+        return self._token
 
     def due(self, steps_done: int) -> bool:
         return self.settings.every_steps > 0 and steps_done % self.settings.every_steps == 0
@@ -133,8 +153,12 @@ class Checkpointer:
     def _write(self, snapshot: TrainingState, *, stall_s: float = 0.0, stall_start: float | None = None) -> None:
         begin = time.perf_counter()
         step = int(snapshot.per_rank["step"])  # every rank's part carries it: the ranks meet under it
-        partial = self.root / layout.partial_name(step, self.attempt)
-        partial.mkdir(parents=True, exist_ok=True)
+        partial = self.root / layout.partial_name(step, self.token())
+        try:
+            partial.mkdir(exist_ok=True)  # never recreates a checkpoint directory that was removed
+        except FileNotFoundError:
+            raise FileNotFoundError(f"checkpoint directory {str(self.root)!r} is gone: it was removed during "
+                                    "the run") from None
         mine = layout.write_payload(partial, layout.rank_file(self.rank), snapshot.per_rank)
         note = json.dumps(mine.entry())
         if self.store is not None:
@@ -170,6 +194,7 @@ class Checkpointer:
             "files": files, "bases": bases, "tensors": index, **self.fit,
         }
         layout.finalize(self.root, partial, step, manifest)
+        self._verified.add(name)
         self._index = index
         self._saves_since_full = 0 if full else self._saves_since_full + 1
         total_bytes = sum(f["bytes"] for f in files.values())
@@ -178,7 +203,7 @@ class Checkpointer:
         record = SaveRecord(step, manifest["kind"], total_bytes, written, len(snapshot.tensors), stall_s,
                             time.perf_counter() - begin, max_error)
         self.records.append(record)
-        deleted = layout.prune(self.root, self.settings.keep, self.attempt)
+        deleted = layout.prune(self.root, self.settings.keep, self.token(), name, self._verified)
         log.info("checkpoint %s: %s, %.2f MB, %d of %d tensors written, stall %.1f ms, write %.2f s%s%s",
                  name, record.kind, total_bytes / 1e6, written, len(snapshot.tensors), 1e3 * stall_s,
                  record.write_s, f", restores within {max_error:.2g}" if max_error else "",
@@ -243,7 +268,8 @@ def check_fresh_start(config: RunConfig) -> None:
 
 
 def find_resume_point(config: RunConfig, *, required: bool) -> tuple[str, dict[str, Any]] | None:
-    """The newest good checkpoint in the run's directory (run on rank 0 only).
+    """The newest good checkpoint in the run's directory (run on rank 0 only); the newer ones,
+    which do not verify, are renamed aside (:func:`poise.checkpoint.layout.set_aside`).
 
     Raises:
         ValueError: when ``required`` and the directory is missing or holds no good checkpoint.
@@ -251,9 +277,14 @@ def find_resume_point(config: RunConfig, *, required: bool) -> tuple[str, dict[s
     root = Path(config.checkpoint_dir)
     if required and not root.is_dir():
         raise ValueError(f"checkpoint.resume is set but the checkpoint directory {str(root)!r} does not exist")
+    if root.is_dir():
+        layout.recover(root)
     found = layout.newest_good(root)
     if found is None and required:
         raise ValueError(f"checkpoint.resume is set but {str(root)!r} holds no complete, intact checkpoint")
+    if root.is_dir():
+        # those newer than the one resumed from do not verify: out of the way of retention and restarts
+        layout.set_aside(root, int(found[1]["step"]) if found is not None else -1)
     return found
 
 

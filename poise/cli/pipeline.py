@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.cli.flags import add_config_flags
-from poise.cli.train import record_config
+from poise.cli.train import add_overwrite_flag, record_config
 from poise.launch.job import launch_job
 from poise.log import make_console
 
@@ -30,6 +30,7 @@ PIPELINE_ALIASES = {
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("pipeline", help="train code-lm as a pipeline of balanced stages, one per worker")
     add_config_flags(parser, PIPELINE_ALIASES)
+    add_overwrite_flag(parser)
     parser.set_defaults(run=run)
 
 

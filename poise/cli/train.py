@@ -25,15 +25,56 @@ from poise.log import make_console
 log = logging.getLogger(__name__)
 
 
+# What a job may find in its output directory without it being another run's: the config a
+# sibling node of the same multi-node job wrote there a moment earlier, and logs whoever started
+# the job keeps beside it (``poise bench`` writes ``train.log`` there); poise writes no ``*.log``.
+_SHARED_OUTPUTS = {"config.toml"}
+
+
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("train", help="run a distributed training job and measure every rank")
     add_config_flags(parser)
+    add_overwrite_flag(parser)
     parser.set_defaults(run=run)
 
 
+def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --out directory, replacing an earlier run's outputs")
+
+
 def default_out_dir() -> str:
-    """``runs/<timestamp>`` under the current directory."""
-    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    """A new ``runs/<timestamp>`` under the current directory, created here so that runs started
+    in the same second get distinct ones (``-2``, ``-3``... appended)."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return str(candidate)
+    raise ValueError(f"no free output directory next to {str(base)!r}: give --out")
+
+
+def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to write over an earlier run's outputs.
+
+    Raises:
+        ValueError: ``out_dir`` holds anything but a ``config.toml`` and ``*.log`` files, and neither
+            ``resume`` nor ``overwrite`` is set.
+    """
+    if resume or overwrite or not out_dir.is_dir():
+        return
+    found = sorted(p.name for p in out_dir.iterdir()
+                   if p.name not in _SHARED_OUTPUTS and not (p.suffix == ".log" and p.is_file())
+                   # a sibling node's empty checkpoint directory (with at most its lock): nothing to overwrite
+                   and not (p.is_dir() and {c.name for c in p.iterdir()} <= {".lock"}))
+    if found:
+        raise ValueError(f"output directory {str(out_dir)!r} already holds a run ({', '.join(found[:4])}"
+                         f"{', ...' if len(found) > 4 else ''}): pass --resume to continue it, --overwrite to "
+                         "replace it, or give another --out")
 
 
 def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
@@ -44,6 +85,9 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
             # An existing cluster's shape and link fill in what the file and flags leave open.
             config = resolve(args, cluster_job.cluster_defaults(config.cluster.name))
         cluster_job.check_job(config)  # before anything is written
+    if config.out_dir:
+        overwrite = getattr(args, "overwrite", False)
+        check_out_dir(Path(config.out_dir), resume=config.checkpoint.resume, overwrite=overwrite)
     # Absolute, so workers started from another directory (or node) write to the same place.
     out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
@@ -53,6 +97,10 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
         from poise.checkpoint import check_fresh_start
 
         check_fresh_start(config)
+    if config.checkpoint.every_steps:
+        from poise.checkpoint.layout import check_directory
+
+        check_directory(Path(config.checkpoint_dir))  # a file in the way fails now, not at the first save
     if config.dist.max_restarts and not config.checkpoint.every_steps:
         log.warning("dist.max_restarts=%d without --checkpoint-every: a restarted job starts over from step 0",
                     config.dist.max_restarts)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from poise.cluster import net, topology
-from poise.cluster.state import NODE_IFNAME, ClusterState, node_namespace
+from poise.cluster.state import NODE_IFNAME, ClusterState, node_namespace, open_private
 from poise.config import DistConfig, RunConfig
 from poise.launch.elastic import PEER_LOST
 from poise.runtime.dist import threads_for
@@ -210,7 +210,8 @@ class _Agent:
 
     def __init__(self, node: int, argv: list[str], env: dict[str, str], log_path: Path, echo: bool) -> None:
         self.node, self.log_path, self._echo = node, log_path, echo
-        self._log: IO[str] = open(log_path, "w")  # closed in close()
+        # opened as root: never through a symlink someone planted at the log's path
+        self._log: IO[str] = os.fdopen(open_private(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
         self._last_line = ""
         self._rank_line = ""
         # A session of its own: Ctrl-C reaches the front end only, which stops agents in order.

@@ -19,6 +19,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,8 @@ from poise.units import format_rate_bit_per_s
 DEFAULT_STATE_DIR = "/run/poise/clusters"
 MAX_NODES = 64
 MAX_PROCS_PER_NODE = 64
+# Every node's workers run on this one machine: more than this in all is almost certainly a typo.
+MAX_PROCESSES = 64
 # Lower-case letters, digits and '_': never '-', so "poise-<name>-" prefixes cannot overlap.
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 # Inside every node namespace the link has the same name, so one GLOO_SOCKET_IFNAME fits all.
@@ -40,8 +43,29 @@ PHASES = ("creating", "up")
 
 
 def state_dir() -> Path:
-    """Where cluster state files live (``$POISE_CLUSTER_STATE_DIR`` or /run/poise/clusters)."""
-    return Path(os.environ.get("POISE_CLUSTER_STATE_DIR") or DEFAULT_STATE_DIR)
+    """Where cluster state files live (``$POISE_CLUSTER_STATE_DIR`` or /run/poise/clusters).
+
+    Raises:
+        ValueError: it exists but is not a directory owned by this user that only this user can
+            write: whoever can write there decides which namespaces ``down`` deletes (as root).
+    """
+    directory = Path(os.environ.get("POISE_CLUSTER_STATE_DIR") or DEFAULT_STATE_DIR)
+    try:
+        info = directory.lstat()
+    except FileNotFoundError:
+        return directory
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"cluster state directory {directory} is not a directory (a symlink or a file): remove it")
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise ValueError(f"cluster state directory {directory} is writable by others or not owned by uid "
+                         f"{os.geteuid()} (mode {stat.S_IMODE(info.st_mode):o}, owner {info.st_uid}): "
+                         "chmod go-w / chown it, or remove it")
+    return directory
+
+
+def open_private(path: Path, flags: int) -> int:
+    """``os.open`` that never follows a symlink at ``path`` (files opened as root), mode 0644."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
 def validate_name(name: str) -> str:
@@ -54,11 +78,16 @@ def validate_name(name: str) -> str:
 
 
 def validate_shape(nodes: int, procs_per_node: int) -> None:
-    """Raises ValueError unless 1 <= nodes <= 64 and 1 <= procs_per_node <= 64."""
-    if isinstance(nodes, bool) or not 1 <= nodes <= MAX_NODES:
+    """Raises ValueError unless 1 <= nodes <= 64, 1 <= procs_per_node <= 64 and they make at
+    most 64 processes in all (integers)."""
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or not 1 <= nodes <= MAX_NODES:
         raise ValueError(f"nodes={nodes!r} is invalid: allowed is 1..{MAX_NODES}")
-    if isinstance(procs_per_node, bool) or not 1 <= procs_per_node <= MAX_PROCS_PER_NODE:
+    if not isinstance(procs_per_node, int) or isinstance(procs_per_node, bool) \
+            or not 1 <= procs_per_node <= MAX_PROCS_PER_NODE:
         raise ValueError(f"procs_per_node={procs_per_node!r} is invalid: allowed is 1..{MAX_PROCS_PER_NODE}")
+    if nodes * procs_per_node > MAX_PROCESSES:
+        raise ValueError(f"{nodes} node(s) x {procs_per_node} worker(s) is {nodes * procs_per_node} processes on "
+                         f"this machine: allowed is at most {MAX_PROCESSES} in all")
 
 
 def switch_namespace(name: str) -> str:
@@ -123,15 +152,60 @@ class ClusterState:
 
     @classmethod
     def load(cls, name: str) -> ClusterState | None:
-        """The recorded state of cluster ``name``, or None when there is none."""
+        """The recorded state of cluster ``name``, or None when there is none.
+
+        The file is input: it is read without following a symlink and checked
+        (:meth:`problem`) before anything acts on it.
+
+        Raises:
+            ValueError: the file is unreadable or not a state of cluster ``name``, in one line.
+        """
         path = state_dir() / f"{validate_name(name)}.json"
+        advice = f"delete it and the namespaces starting with {owned_prefix(name)!r}"
         try:
-            return cls(**json.loads(path.read_text()))
+            fd = open_private(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise ValueError(f"cluster state file {path} cannot be opened ({exc.strerror}): {advice}") from None
+        try:
+            with os.fdopen(fd) as handle:
+                data = json.loads(handle.read())
+            state = cls(**data)
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"cluster state file {path} is unreadable ({exc}): delete it and the "
-                             f"namespaces starting with {owned_prefix(name)!r}") from None
+            raise ValueError(f"cluster state file {path} is unreadable ({exc}): {advice}") from None
+        problem = state.problem(name)
+        if problem:
+            raise ValueError(f"cluster state file {path} is invalid: {problem}: {advice}")
+        return state
+
+    def problem(self, name: str) -> str:
+        """What makes this recorded state unfit to act on as cluster ``name``'s ('' when nothing)."""
+        if self.name != name:
+            return f"its name {self.name!r} is not the file's {name!r}"
+        try:
+            validate_shape(self.nodes, self.procs_per_node)
+        except ValueError as exc:
+            return str(exc)
+        if not isinstance(self.link_rate_bit_per_s, int) or isinstance(self.link_rate_bit_per_s, bool) \
+                or self.link_rate_bit_per_s <= 0:
+            return f"link_rate_bit_per_s={self.link_rate_bit_per_s!r} is not a positive integer"
+        if not isinstance(self.delay_s, (int, float)) or isinstance(self.delay_s, bool) or not 0 <= self.delay_s < 10:
+            return f"delay_s={self.delay_s!r} is not a number of seconds in [0, 10)"
+        if self.phase not in PHASES:
+            return f"phase={self.phase!r} is not one of {', '.join(PHASES)}"
+        try:
+            ipaddress.ip_network(self.subnet)
+        except (TypeError, ValueError):
+            return f"subnet={self.subnet!r} is not a network"
+        if not isinstance(self.namespaces, list) or not all(
+                isinstance(ns, str) and ns.startswith(owned_prefix(name)) for ns in self.namespaces):
+            return f"namespaces must all start with {owned_prefix(name)!r}"
+        for key in ("owner_pid", "owner_start_ticks"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                return f"{key}={value!r} is not a non-negative integer"
+        return ""
 
 
 def recorded_names() -> list[str]:
@@ -144,10 +218,14 @@ def recorded_names() -> list[str]:
 def locked() -> Iterator[None]:
     """Hold the state directory's lock: one ``up``/``down`` at a time picks names and subnets."""
     directory = state_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    directory = state_dir()  # checked again now that it exists
+    fd = open_private(directory / ".lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

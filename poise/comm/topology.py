@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -124,6 +125,18 @@ class NodeLayout:
         return next(i for i, ranks in enumerate(self.nodes) if rank in ranks)
 
 
+def default_group_timeout() -> timedelta | None:
+    """The timeout the default process group was initialised with (``dist.timeout_s``), read from
+    its backend's options; None when the backend does not expose it (new_group's default then)."""
+    group = dist.group.WORLD
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout  # type: ignore[union-attr]
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
 def _node_identity() -> tuple[int, int]:
     """This process's ``(node id, local rank)`` from torchrun's environment.
 
@@ -157,13 +170,16 @@ class Topology:
         self.layout = layout
         self.rank = dist.get_rank()
         self.world_size = world
-        self.world_group = dist.new_group(list(range(world)))
+        # new_group's own default is 30 minutes (gloo), not the default group's dist.timeout_s:
+        # a dead peer would hang ring, tree and hierarchical that long
+        timeout = default_group_timeout()
+        self.world_group = dist.new_group(list(range(world)), timeout=timeout)
         self.local_group = None
         for ranks in layout.nodes:  # every rank creates every node's group, in the same order
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), timeout=timeout)
             if self.rank in ranks:
                 self.local_group = group
-        leader_group = dist.new_group(list(layout.leaders))
+        leader_group = dist.new_group(list(layout.leaders), timeout=timeout)
         self.is_leader = self.rank in layout.leaders
         self.leader_group = leader_group if self.is_leader else None
         self.node_ranks = layout.nodes[layout.node_of(self.rank)]

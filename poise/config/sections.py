@@ -43,6 +43,16 @@ def _field(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def _finite(section: str, obj: Any) -> None:
+    """Reject ``inf``/``nan`` in every float field of ``obj``: no setting means anything with
+    them (``timeout_s=inf`` crashes every worker; ``lr=inf`` or ``grad_clip_norm=nan`` would
+    silently stop training or clipping)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{section}.{f.name}={value!r} is invalid: it must be a finite number")
+
+
 def _positive(section: str, name: str, value: int | float | None, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -65,6 +75,7 @@ class TaskConfig:
     cache_dir: str = _field("", "where the code-lm corpus index is cached ('' = ~/.cache/poise)")
 
     def __post_init__(self) -> None:
+        _finite("task", self)
         if self.name not in TASK_NAMES:
             raise ValueError(f"task.name={self.name!r} is unknown: allowed are {', '.join(TASK_NAMES)}")
         for name in ("max_seq_len", "d_model", "num_layers", "num_heads"):
@@ -106,6 +117,7 @@ class TrainConfig:
         return tuple(p.strip() for p in self.frozen.split(",") if p.strip())
 
     def __post_init__(self) -> None:
+        _finite("train", self)
         for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr"):
             _positive("train", name, getattr(self, name))
         _positive("train", "accum_steps", self.accum_steps, allow_none=False)
@@ -145,6 +157,7 @@ class DistConfig:
     max_restarts: int = _field(0, "times the launcher restarts the workers after one fails (see --checkpoint-every)")
 
     def __post_init__(self) -> None:
+        _finite("dist", self)
         _positive("dist", "nproc", self.nproc, allow_none=False)
         if self.max_restarts < 0:
             raise ValueError(f"dist.max_restarts={self.max_restarts} must be >= 0")
@@ -210,6 +223,7 @@ class BalanceConfig:
     slowdown_method: str = _field("auto", "how rank_speed slows a rank: auto, cgroup (CPU quota), sleep")
 
     def __post_init__(self) -> None:
+        _finite("balance", self)
         if self.strategy not in BALANCE_STRATEGIES:
             raise ValueError(
                 f"balance.strategy={self.strategy!r} is unknown: allowed are {', '.join(BALANCE_STRATEGIES)}"
@@ -291,6 +305,7 @@ class CommConfig:
     )
 
     def __post_init__(self) -> None:
+        _finite("comm", self)
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"comm.codec={self.codec!r} is unknown: allowed are {', '.join(CODEC_NAMES)}")
         if not 0.0 < self.topk_ratio <= 1.0:
@@ -361,6 +376,7 @@ class ClusterConfig:
     name: str = _field("", "run on this cluster from 'poise cluster up' ('' = bring one up for the job, down after)")
 
     def __post_init__(self) -> None:
+        _finite("cluster", self)
         if isinstance(self.nodes, bool) or not 0 <= self.nodes <= MAX_NODES:
             raise ValueError(f"cluster.nodes={self.nodes!r} is invalid: allowed is 0..{MAX_NODES} (0 = no cluster)")
         if self.name:
@@ -399,6 +415,7 @@ class DiagnosticsConfig:
     )
 
     def __post_init__(self) -> None:
+        _finite("diagnostics", self)
         _positive("diagnostics", "gather_every_steps", self.gather_every_steps, allow_none=False)
         _positive("diagnostics", "log_every_steps", self.log_every_steps, allow_none=False)
 
@@ -437,6 +454,7 @@ class FaultConfig:
     )
 
     def __post_init__(self) -> None:
+        _finite("faults", self)
         self.rank_step()  # validates
         if not 0.0 <= self.data_delay_s <= 60.0:  # also refuses nan
             raise ValueError(f"faults.data_delay_s={self.data_delay_s} is outside [0, 60] seconds")
@@ -467,6 +485,7 @@ class CheckpointConfig:
     keep: int = _field(3, "newest checkpoints kept (plus the full bases they build on)")
 
     def __post_init__(self) -> None:
+        _finite("checkpoint", self)
         if self.every_steps < 0:
             raise ValueError(f"checkpoint.every_steps={self.every_steps} must be >= 0 (0 = no checkpoints)")
         _positive("checkpoint", "full_every", self.full_every, allow_none=False)
@@ -492,6 +511,7 @@ class PipelineConfig:
     warmup_steps: int = _field(2, "first steps left out of the measured stage times")
 
     def __post_init__(self) -> None:
+        _finite("pipeline", self)
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(
                 f"pipeline.schedule={self.schedule!r} is unknown: allowed are {', '.join(PIPELINE_SCHEDULES)}"
@@ -537,6 +557,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        self._check_world()
         if self.train.batch_tokens is not None and self.task.name != "code-lm":
             raise ValueError(
                 f"train.batch_tokens={self.train.batch_tokens} only applies to task code-lm, "
@@ -558,6 +579,32 @@ class RunConfig:
                     f"{', '.join(given)} cannot be set with an emulated cluster (cluster.nodes/cluster.name): "
                     "it places the nodes and the rendezvous itself"
                 )
+
+    def max_world_size(self) -> int:
+        """The most ranks this job can have: workers per node times nodes (an emulated
+        cluster's, or ``dist.nnodes``'s maximum for an elastic job)."""
+        nodes = self.cluster.nodes if self.cluster.nodes > 0 else int(self.dist.nnodes.split(":")[-1])
+        return nodes * self.dist.nproc
+
+    def _check_world(self) -> None:
+        """Ranks named in settings must exist; an emulated cluster must fit one machine."""
+        if self.cluster.nodes > 0 and self.cluster.nodes * self.dist.nproc > MAX_LOCAL_WORKERS:
+            raise ValueError(
+                f"cluster of {self.cluster.nodes} node(s) x {self.dist.nproc} worker(s) is "
+                f"{self.cluster.nodes * self.dist.nproc} processes on this machine: allowed is at most "
+                f"{MAX_LOCAL_WORKERS} in all"
+            )
+        if self.cluster.name and self.cluster.nodes == 0:
+            return  # a named cluster's shape is filled in from its state first (poise/cli/train.py)
+        world = self.max_world_size()
+        outside = sorted(r for r in self.balance.rank_speeds() if r >= world)
+        if outside:
+            raise ValueError(f"balance.rank_speed names rank {outside[0]}, but the job has {world} rank(s): "
+                             f"allowed are 0..{world - 1}")
+        planned = self.faults.rank_step()
+        if planned is not None and planned[0] >= world:
+            raise ValueError(f"faults.fail_at={self.faults.fail_at!r} names rank {planned[0]}, but the job has "
+                             f"{world} rank(s): allowed are 0..{world - 1}")
 
     @property
     def checkpoint_dir(self) -> str:

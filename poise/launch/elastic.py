@@ -1,9 +1,20 @@
 """This machine's workers, started through torch's elastic launcher in-process.
 
 The launcher is torch.distributed.run (the code behind ``torchrun``), called with the same
-arguments a user would type: standalone rendezvous on one machine, or
+arguments a user would type: a rendezvous on this machine for one-machine jobs, or
 ``--nnodes/--node-rank/--rdzv-endpoint`` for multi-node jobs (the emulated cluster's agents,
-:mod:`poise.cluster.agent`, pass those). Every worker runs :data:`WORKER_MODULE` on the
+:mod:`poise.cluster.agent`, pass those).
+
+A one-machine job listens on loopback only. ``--standalone`` would not do: its c10d store and
+the agent's second, shared store bind every interface, unauthenticated, and gloo binds
+whatever the hostname resolves to. So we host the rendezvous store here on a socket bound to
+127.0.0.1 (:func:`loopback_rendezvous`) and tell the agent to join it as a client
+(``--rdzv-conf=is_host=0``, ``--local-addr=127.0.0.1``); ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``
+stops the agent from starting its shared store, so the workers meet in rank 0's store, which
+:func:`poise.runtime.dist.job_store` binds to loopback too; ``GLOO_SOCKET_IFNAME=lo`` (and
+NCCL's) keeps the workers' own connections there. Multi-node jobs listen where the network is:
+see the README on trusted networks and binding one interface (``--dist.socket_ifname``,
+``--dist.local_addr``). Every worker runs :data:`WORKER_MODULE` on the
 resolved ``config.toml`` unless told otherwise. When a worker fails, the launcher stops the
 others and we return 1 after naming the rank whose failure caused the others, and its error.
 """
@@ -15,8 +26,12 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +40,19 @@ from poise.config import DistConfig
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = "poise.runtime.worker"
+LOOPBACK = "127.0.0.1"
+# seconds the agent may take to reach the rendezvous store (torch's own default for c10d)
+_RDZV_READ_TIMEOUT_S = 60
 
 
 def launcher_args(dist: DistConfig, config_path: Path | None, module: str = WORKER_MODULE,
-                  module_args: Sequence[str] | None = None) -> list[str]:
+                  module_args: Sequence[str] | None = None, loopback_port: int | None = None) -> list[str]:
     """torchrun arguments for one machine's agent (what a user would type after ``torchrun``).
 
     The workers run ``python -m module --config config_path``, or ``module *module_args``
-    when given (``poise diagnose``, whose workers take their own options).
+    when given (``poise diagnose``, whose workers take their own options). A one-machine job
+    joins the loopback rendezvous store at ``loopback_port`` (see the module doc), or is
+    ``--standalone`` without one.
 
     Raises:
         ValueError: ``dist.nnodes`` is not 1 and there is no ``dist.rdzv_endpoint``.
@@ -50,6 +70,9 @@ def launcher_args(dist: DistConfig, config_path: Path | None, module: str = WORK
             args.append(f"--rdzv-conf=is_host={int(dist.rdzv_is_host)}")
     elif dist.nnodes != "1":
         raise ValueError(f"dist.nnodes={dist.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
+    elif loopback_port is not None:
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{loopback_port}", f"--rdzv-id={uuid.uuid4()}",
+                 f"--rdzv-conf=is_host=0,read_timeout={_RDZV_READ_TIMEOUT_S}", f"--local-addr={LOOPBACK}"]
     else:
         args.append("--standalone")
     return [*args, "-m", module, *(module_args if module_args is not None else ["--config", str(config_path)])]
@@ -68,20 +91,61 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
 
     # torchrun would force 1 thread per worker and warn; the worker sets its own count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if dist.socket_ifname:
+    one_machine = not dist.rdzv_endpoint and dist.nnodes == "1"
+    if dist.socket_ifname or one_machine:
         # Without it gloo binds to the address the hostname resolves to, which may be loopback.
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = dist.socket_ifname
-    argv = launcher_args(dist, config_path, module, module_args)
-    log.info("launching: torchrun %s", " ".join(argv))
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = dist.socket_ifname or "lo"
+    if one_machine:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # no second store on every interface
     try:
-        elastic_run(get_args_parser().parse_args(argv))
+        with loopback_rendezvous() if one_machine else _no_store() as port:
+            argv = launcher_args(dist, config_path, module, module_args, loopback_port=port)
+            log.info("launching: torchrun %s", " ".join(argv))
+            elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
+        _remove_stale_cgroups()
         rank, failure = root_failure(exc)
         sys.stderr.write(
             f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
         )
         return 1
+    _remove_stale_cgroups()
     return 0
+
+
+def _remove_stale_cgroups() -> None:
+    """Killed workers leave their slowdown cgroups (``--rank-speed``) behind: remove them."""
+    from poise.runtime.slowdown import remove_stale_groups
+
+    for group in remove_stale_groups():
+        log.info("removed the cgroup %s of a worker that is gone", group)
+
+
+@contextmanager
+def loopback_rendezvous() -> Iterator[int]:
+    """Host a c10d rendezvous store in this process that listens on 127.0.0.1 only; yields its port.
+
+    torch's TCPStore server binds every interface unless it is handed a listening socket
+    (``master_listen_fd``): we bind one to loopback, with an OS-chosen port, and hand it over.
+    """
+    import torch.distributed as tdist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = tdist.TCPStore(LOOPBACK, port, is_master=True, master_listen_fd=sock.detach(), multi_tenant=True,
+                           wait_for_workers=False, timeout=timedelta(seconds=_RDZV_READ_TIMEOUT_S))
+    try:
+        yield port
+    finally:
+        del store
+
+
+@contextmanager
+def _no_store() -> Iterator[None]:
+    yield None
 
 
 # a rank's error that only reports that a peer went away: a consequence, not a cause

@@ -9,8 +9,10 @@ workers that were handed different settings stop at once with a clear message.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -95,17 +97,37 @@ def job_store(rank: int, config: DistConfig) -> dist.Store:
     arrives fails the attempt quickly and the launcher can try again.
 
     Under torchrun the store server is the launcher's (``TORCHELASTIC_USE_AGENT_STORE``);
-    without it (a plain launcher setting ``MASTER_ADDR``/``MASTER_PORT``) rank 0 hosts it.
+    without it (``poise train`` on one machine, or a plain launcher setting
+    ``MASTER_ADDR``/``MASTER_PORT``) rank 0 hosts it, on loopback only when ``MASTER_ADDR`` is
+    a loopback address (:func:`loopback_listener`).
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     connect_s = min(config.timeout_s, STORE_CONNECT_TIMEOUT_S)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    is_master = not agent_store and rank == 0
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-        is_master=not agent_store and rank == 0, timeout=timedelta(seconds=connect_s),
-        wait_for_workers=False,
+        host, port, int(os.environ["WORLD_SIZE"]), is_master=is_master, timeout=timedelta(seconds=connect_s),
+        wait_for_workers=False, master_listen_fd=loopback_listener(host, port) if is_master else None,
     )
     return dist.PrefixStore(f"poise/attempt-{attempt}/", store)
+
+
+def loopback_listener(host: str, port: int) -> int | None:
+    """A listening socket on ``host:port`` for a TCPStore server to adopt when ``host`` is a
+    loopback address (its fd), else None: a server of its own binds every interface."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1" if host == "localhost" else host, port))
+    sock.listen(128)
+    return sock.detach()
 
 
 def check_config_agreement(config: RunConfig, ctx: DistContext) -> None:

@@ -48,7 +48,11 @@ def run_config_job(argv: list[str] | None, prog: str, command: str,
 
 
 def leave(code: int) -> None:
-    """Flush logs and streams, then end the process without static destructors (see above)."""
+    """Remove this worker's slowdown cgroup (``atexit`` will not run), flush logs and streams, then
+    end the process without static destructors (see above)."""
+    from poise.runtime.slowdown import leave_cgroup
+
+    leave_cgroup()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 _PERIOD_US = 10_000  # short periods: the throttled rank is slowed evenly, not in 50 ms bursts
 _V1_ROOT = Path("/sys/fs/cgroup/cpu")
 _V2_ROOT = Path("/sys/fs/cgroup")
+_LEAVE: list[Callable[[], None]] = []  # this process's group, left and removed by leave_cgroup()
 
 
 @dataclass
@@ -110,12 +111,7 @@ def _limit_with_cgroup(speed: float, threads: int) -> Path:
     if found is None:
         raise OSError("no writable cgroup CPU controller")
     root, version = found
-    # Groups of workers that were killed (atexit did not run) are empty now: remove them.
-    for stale in root.glob("poise-slow-*"):
-        pid = stale.name.removeprefix("poise-slow-")
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            with contextlib.suppress(OSError):
-                stale.rmdir()
+    remove_stale_groups()
     group = root / f"poise-slow-{os.getpid()}"
     group.mkdir(exist_ok=True)
     quota = max(1000, int(speed * threads * _PERIOD_US))
@@ -132,7 +128,8 @@ def _limit_with_cgroup(speed: float, threads: int) -> Path:
             (root / "cgroup.procs").write_text(str(os.getpid()))
             group.rmdir()
 
-    atexit.register(leave)
+    _LEAVE.append(leave)
+    atexit.register(leave_cgroup)
     return group
 
 
@@ -143,6 +140,29 @@ def _set_quota(group: Path, cpus: float) -> None:
         (group / "cpu.cfs_quota_us").write_text(str(quota))
     else:
         (group / "cpu.max").write_text(f"{quota} {_PERIOD_US}")
+
+
+def leave_cgroup() -> None:
+    """Leave and remove this process's slowdown cgroup, if it made one. Workers end through
+    ``os._exit`` (poise/runtime/entry.py), which skips ``atexit``: entry.leave calls this."""
+    while _LEAVE:
+        _LEAVE.pop()()
+
+
+def remove_stale_groups() -> list[Path]:
+    """Remove the slowdown cgroups of processes that are gone (killed workers cannot remove their
+    own); the kernel refuses to remove a group that still has processes. Returns those removed."""
+    found = _cpu_cgroup()
+    if found is None:
+        return []
+    removed = []
+    for stale in found[0].glob("poise-slow-*"):
+        pid = stale.name.removeprefix("poise-slow-")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                stale.rmdir()
+                removed.append(stale)
+    return removed
 
 
 def apply_slowdown(rank: int, rank_speeds: dict[int, tuple[float, int]], method: str, threads: int,

@@ -133,15 +133,20 @@ def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int) -> tup
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip_norm: float, step: int) -> bool:
+                  scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip_norm: float, step: int,
+                  on_nonfinite: str = "skip", rank: int = 0) -> bool:
     """Clip the gradient norm, step the optimizer and the schedule; True when skipped.
 
     The total norm is needed anyway for clipping; it also tells whether the reduced gradient
     is finite. A NaN/Inf that a codec let through (``comm.on_nonfinite='skip'``) skips the
-    optimizer on every rank alike, since every rank holds the same reduced gradient.
+    optimizer on every rank alike, since every rank holds the same reduced gradient; with
+    ``on_nonfinite='error'`` it raises FloatingPointError naming ``step`` and ``rank`` instead.
     """
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm if grad_clip_norm > 0 else math.inf)
     skipped = not math.isfinite(float(norm))
+    if skipped and on_nonfinite == "error":
+        raise FloatingPointError(f"gradient norm is {float(norm)} at step {step} on rank {rank} "
+                                 "(comm.on_nonfinite='skip' skips such steps instead)")
     if skipped:
         log.warning("step %d: gradient norm is %s: optimizer step skipped", step, float(norm))
     else:
@@ -234,7 +239,8 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
                         samples.write(step.index, step.epoch, step.indices)
                     step.backward(task.train_loss(ddp, batch.to(ctx.device)))
                     if step.sync:
-                        step.skipped = clip_and_step(ddp, optimizer, scheduler, tc.grad_clip_norm, step.index)
+                        step.skipped = clip_and_step(ddp, optimizer, scheduler, tc.grad_clip_norm, step.index,
+                                                     config.comm.on_nonfinite, ctx.rank)
                 rec = session.last_record  # on CUDA, the step before (its events are read a step late)
                 if rec is not None:
                     if not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
@@ -260,6 +266,11 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         saver.wait()
     if samples is not None:
         samples.close()
+    if resumed_from is not None and steps_done == start_step:
+        # resumed from the run's final checkpoint (the failure came after it, in evaluation or
+        # the report): no step ran in this attempt, so there is nothing to report
+        log.warning("resumed from %s, the run's final checkpoint: nothing left to train", resumed_from)
+        return None
 
     if config.comm.local_first:
         # the ranks' weights differ by their unsent residuals: evaluate the weights rank 0 saved

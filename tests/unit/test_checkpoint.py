@@ -163,7 +163,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, damage,
 def test_a_partial_directory_is_never_a_checkpoint(tmp_path):
     _save_run(tmp_path, differential=False, saves=1)
     root = tmp_path / "checkpoints"
-    (root / layout.partial_name(2, 0)).mkdir()
+    (root / layout.partial_name(2, layout.new_token())).mkdir()
     assert [p.name for _, p in layout.list_checkpoints(root)] == ["step-00000001"]
 
 

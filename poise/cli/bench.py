@@ -9,11 +9,11 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from poise.bench import balance, checkpoint, codecs, diagnose, network, partition, scaling
+from poise.bench import balance, checkpoint, codecs, diagnose, network, partition, plan, scaling
 
 FAMILIES: dict[str, ModuleType] = {
     "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "network": network,
-    "checkpoint": checkpoint, "diagnose": diagnose,
+    "checkpoint": checkpoint, "diagnose": diagnose, "plan": plan,
 }
 
 

@@ -183,6 +183,8 @@ def _link_bytes(cluster: Cluster, rounds: list[float], gathered: bool, collectiv
                    for r in rounds)
     if gathered:
         return (n - 1) * rounds[0]
+    if name == "tree":  # the exchanges across nodes: every rank of the node sends its whole message
+        return sum(math.ceil(math.log2(nodes)) * cluster.procs_per_node * r for r in rounds)
     return sum(2 * (n - 1) / n * r for r in rounds)
 
 
@@ -220,9 +222,9 @@ def predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, co
         raw = 4.0 * bucket.numel
         enc = speed.encode_s_per_byte * raw * scale
         dec = speed.decode_s_per_byte * raw * scale
-        if config.codec == "none":
-            enc = dec = 0.0
         rounds, gathered = _rounds(codec, bucket)
+        if config.codec == "none" or (lowrank and len(rounds) == 1):  # sent as it is (PowerSGD: no matrix)
+            enc = dec = 0.0
         if hierarchical and config.codec == "none":
             comm = all_reduce_s(cluster, raw, "hierarchical", segment_bytes)
             start = max(ready, channel_free)

@@ -5,10 +5,12 @@
    side, for the depth-2 pipelined model (NVLS: reduce in the switch, multicast back) and,
    for comparison, the plain linear α-β of a ring.
 2. On the emulated cluster (``poise cluster``; needs root): calibrate, predict, then run. The
-   calibration is a single-worker run of the model (compute), ``poise bench codecs``' kernel
-   table with one thread (codec seconds), ``poise diagnose busbw`` of the backend all-reduce
-   at three sizes on each cluster (the node links) and on two local workers (the link inside
-   a node). Every job of the matrix (links × clusters × codecs × collectives) is predicted
+   calibration: codec encode/decode seconds with error feedback on the model's buckets (one
+   thread), ``poise diagnose busbw`` of the backend all-reduce at three sizes on two local
+   workers (the link inside a node), and before each scenario's jobs, a single-worker run of
+   the model, as many single-worker runs at once as the cluster has workers (its nodes share
+   this machine's cores: the slow-down per phase) and the same busbw on the cluster (its
+   node links). Every job of the matrix (links × clusters × codecs × collectives) is predicted
    from those alone, then run as a real ``poise train --cluster`` job; its measured step is
    the median over steps after ``--warmup-steps`` of the slowest rank's step. Rows go to
    ``plan-validation.json`` as they come (``predicted_s``, ``measured_s``, ``error`` =
@@ -241,7 +243,8 @@ def predict_row(calibration: dict[str, Any], link: str, nodes: int, procs: int, 
     intra = calibrate.fit_ring_link(calibrate.busbw_points(calibration["busbw"]["local-2"]), 2)
     # one node's link as the ring sees it: a ring of n ranks over the nodes is limited by it
     cluster = Cluster(nodes, procs, intra, inter)
-    compute, _ = calibrate.shared_compute(calibration["single"], calibration["shared"][str(nodes * procs)])
+    scenario = calibration["compute"][f"{link}-{nodes}x{procs}"]
+    compute, _ = calibrate.shared_compute(scenario["single"], scenario["shared"])
     speeds = calibrate.codec_speeds(calibration["codec_speeds"][str(nodes * procs)])
     leader_speeds = calibrate.codec_speeds(calibration["codec_speeds"][str(nodes)])
     pred = predict_step(cluster, params, compute, StepConfig(codec, collective, 25.0, CODEC_OPTIONS[codec]), speeds,
@@ -273,21 +276,20 @@ def validate(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     clusters = [(int(a), int(b)) for a, b in (c.split(":") for c in args.clusters.split(",") if c.strip())]
     codecs = [c for c in args.codecs.split(",") if c]
     collectives = [c for c in args.collectives.split(",") if c]
-    jobs = matrix(links, clusters, codecs, collectives)[: args.max_jobs or None]
     params = model_params()
-    path = out / "plan-validation.json"
-    previous = json.loads(path.read_text()) if args.from_dir else None
-    calibration: dict[str, Any] = previous["calibration"] if previous else {"cores": os.cpu_count() or 1, "busbw": {}}
+    previous = json.loads((out / "plan-validation.json").read_text()) if args.from_dir else None
+    if previous:  # the same jobs again, predicted by today's model; the first file is kept
+        jobs = [(r["link"], r["nodes"], r["procs_per_node"], r["codec"], r["collective"]) for r in previous["rows"]]
+        path = out / "plan-validation-again.json"
+    else:
+        jobs = matrix(links, clusters, codecs, collectives)[: args.max_jobs or None]
+        path = out / "plan-validation.json"
+    calibration: dict[str, Any] = previous["calibration"] if previous else {
+        "cores": os.cpu_count() or 1, "busbw": {}, "compute": {}, "codec_speeds": {}}
     data: dict[str, Any] = {"model": MODEL, "model_args": list(MODEL_ARGS), "steps": args.steps,
                             "warmup_steps": args.warmup_steps, "calibration": calibration, "rows": []}
     train = [*MODEL_ARGS, "--steps", str(args.steps)]
     if not previous:
-        single = run_train_job("calibrate-single", out, [*train, "--nproc", "1", "--dist.threads_per_worker", "1"],
-                               args.timeout_s)
-        calibration["single"] = single
-        calibration["shared"], calibration["codec_speeds"] = {}, {}
-        for world in sorted({n * m for n, m in clusters}):
-            calibration["shared"][str(world)] = concurrent_single_runs(out, world, train, args.timeout_s)
         for payloads in sorted({n * m for n, m in clusters} | {n for n, _ in clusters}):
             calibration["codec_speeds"][str(payloads)] = measure_codec_speeds(params, codecs, payloads)
         calibration["busbw"]["local-2"] = busbw_json(out / "calibrate-busbw-local", ["--nproc", "2"], args.timeout_s)
@@ -297,6 +299,11 @@ def validate(out: Path, args: argparse.Namespace) -> dict[str, Any]:
     for link, nodes, procs, codec, collective in jobs:
         key = f"{link}-{nodes}x{procs}"
         if not previous and key not in calibration["busbw"]:
+            # right before the scenario's jobs, so that the machine's other load is the same
+            calibration["compute"][key] = {
+                "single": run_train_job(f"calibrate-{key}-single", out,
+                                        [*train, "--nproc", "1", "--dist.threads_per_worker", "1"], args.timeout_s),
+                "shared": concurrent_single_runs(out / f"calibrate-{key}", nodes * procs, train, args.timeout_s)}
             calibration["busbw"][key] = busbw_json(out / f"calibrate-busbw-{key}",
                                                    ["--cluster", f"{nodes}:{procs}", "--link", link], args.timeout_s)
         row: dict[str, Any] = {"link": link, "nodes": nodes, "procs_per_node": procs, "codec": codec,

@@ -8,9 +8,9 @@
    calibration: codec encode/decode seconds with error feedback on the model's buckets (one
    thread), ``poise diagnose busbw`` of the backend all-reduce at three sizes on two local
    workers (the link inside a node), and before each scenario's jobs, a single-worker run of
-   the model, as many single-worker runs at once as the cluster has workers (its nodes share
-   this machine's cores: the slow-down per phase) and the same busbw on the cluster (its
-   node links). Every job of the matrix (links × clusters × codecs × collectives) is predicted
+   the model, the cluster's number of workers run locally (its nodes share this machine's
+   cores: their slow-down per phase, communication waits left out) and the same busbw on the
+   cluster (its node links). Every job of the matrix (links × clusters × codecs × collectives) is predicted
    from those alone, then run as a real ``poise train --cluster`` job; its measured step is
    the median over steps after ``--warmup-steps`` of the slowest rank's step. Rows go to
    ``plan-validation.json`` as they come (``predicted_s``, ``measured_s``, ``error`` =
@@ -130,19 +130,6 @@ def busbw_json(out: Path, where: list[str], timeout_s: float) -> dict[str, Any]:
            "--out", str(out)]
     _run(cmd, out / "diagnose.log", timeout_s)
     return json.loads((out / "busbw.json").read_text())
-
-
-def concurrent_single_runs(out: Path, count: int, train: list[str], timeout_s: float) -> dict[str, Any]:
-    """``count`` single-worker runs at once, one thread each, as the emulated cluster's workers
-    share this machine's cores, with no communication; their reports as one (``per_rank``:
-    one entry per run)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    args = [*train, "--nproc", "1", "--dist.threads_per_worker", "1"]
-    with ThreadPoolExecutor(max_workers=count) as pool:
-        reports = list(pool.map(lambda i: run_train_job(f"calibrate-concurrent-{count}-{i}", out, args, timeout_s),
-                                range(count)))
-    return {"steps": reports[0]["steps"], "per_rank": [r["per_rank"][0] for r in reports]}
 
 
 def measure_codec_speeds(params: list[Any], codecs: list[str], payloads: int, *, repeats: int = 5,
@@ -303,7 +290,11 @@ def validate(out: Path, args: argparse.Namespace) -> dict[str, Any]:
             calibration["compute"][key] = {
                 "single": run_train_job(f"calibrate-{key}-single", out,
                                         [*train, "--nproc", "1", "--dist.threads_per_worker", "1"], args.timeout_s),
-                "shared": concurrent_single_runs(out / f"calibrate-{key}", nodes * procs, train, args.timeout_s)}
+                # the cluster's number of workers on this machine, locally (no shaped links): their
+                # compute phases, communication waits left out
+                "shared": run_train_job(f"calibrate-{key}-local", out,
+                                        [*train, "--nproc", str(nodes * procs), "--dist.threads_per_worker", "1"],
+                                        args.timeout_s)}
             calibration["busbw"][key] = busbw_json(out / f"calibrate-busbw-{key}",
                                                    ["--cluster", f"{nodes}:{procs}", "--link", link], args.timeout_s)
         row: dict[str, Any] = {"link": link, "nodes": nodes, "procs_per_node": procs, "codec": codec,

@@ -111,9 +111,10 @@ def _phases(report: dict[str, Any]) -> dict[str, float]:
 def shared_compute(single: dict[str, Any], shared: dict[str, Any]) -> tuple[Compute, dict[str, float]]:
     """Compute of a worker among others on the same machine's cores (the emulated cluster).
 
-    ``single`` is a single-worker run; ``shared`` as many single-worker runs at once as the
-    cluster has workers (``per_rank``: one entry each), whose per-phase medians over the single
-    run's are the slow-down of sharing the cores. The codecs slow down as backward does.
+    ``single`` is a single-worker run; ``shared`` a run of the cluster's number of workers on
+    the machine (``per_rank``: one entry each), whose per-phase medians over the single run's
+    are the slow-down of sharing the cores (communication waits are a phase of their own and
+    left out). The codecs slow down as backward does.
 
     Returns:
         the compute, and the slow-down factor per phase.
@@ -125,7 +126,7 @@ def shared_compute(single: dict[str, Any], shared: dict[str, Any]) -> tuple[Comp
                       optimizer_s=base.optimizer_s * factors["optim"], data_s=base.data_s * factors["data"],
                       codec_scale=factors["backward"], alone_step_s=base.step_s,
                       source=f"measured: single-worker run x the slow-down of {len(shared['per_rank'])} "
-                             "single-worker runs at once on this machine")
+                             "workers on this machine")
     return compute, factors
 
 

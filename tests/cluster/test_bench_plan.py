@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cluster
 
 def test_bench_plan_predicts_and_measures_one_job(cluster_support, state_dir, tmp_path):
     proc = run_poise("bench", "plan", "--links", "1gbit", "--clusters", "2:1", "--codecs", "none", "--collectives",
-                     "flat", "--steps", "6", "--warmup-steps", "2", "--out", str(tmp_path), timeout_s=240)
+                     "flat", "--steps", "5", "--warmup-steps", "2", "--out", str(tmp_path), timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "predicted" in proc.stdout and "published GB/s" in proc.stdout
     data = json.loads((tmp_path / "plan-validation.json").read_text())

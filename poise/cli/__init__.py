@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from poise.cli import bench, checkpoint, cluster, diagnose, pipeline, train
+from poise.cli import bench, checkpoint, cluster, diagnose, pipeline, plan, train
 from poise.log import setup_logging
 
 log = logging.getLogger("poise.cli")
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose.add_parser(sub)
     cluster.add_parser(sub)
     checkpoint.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

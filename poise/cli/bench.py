@@ -9,11 +9,11 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from poise.bench import balance, checkpoint, codecs, diagnose, faults, network, partition, scaling
+from poise.bench import balance, checkpoint, codecs, diagnose, faults, network, partition, plan, scaling
 
 FAMILIES: dict[str, ModuleType] = {
     "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "network": network,
-    "checkpoint": checkpoint, "diagnose": diagnose, "faults": faults,
+    "checkpoint": checkpoint, "diagnose": diagnose, "faults": faults, "plan": plan,
 }
 
 

@@ -1,0 +1,166 @@
+"""Calibration: α and β of a link from measured collective times, compute from measured runs.
+
+Kept apart from prediction (``costs.py``, ``step.py``): these functions turn measurements
+(``poise diagnose busbw``'s ``busbw.json``, a single-worker ``report.json``, a layer profile,
+``poise bench codecs``' kernel table) into the numbers a prediction takes, and say where each
+number came from. A two-point fit is exact; with three or more points it is least squares
+on the times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from poise.plan.costs import Link, pipelined_s
+from poise.plan.step import CodecSpeed, Compute
+
+
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``t = a + b S`` through ``(S, t)`` points (exact through two)."""
+    if len(points) < 2 or len({s for s, _ in points}) < 2:
+        raise ValueError(f"a fit needs at least two distinct sizes, got {[s for s, _ in points]}")
+    n = len(points)
+    mean_s = sum(s for s, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    b = sum((s - mean_s) * (t - mean_t) for s, t in points) / sum((s - mean_s) ** 2 for s, _ in points)
+    return mean_t - b * mean_s, b
+
+
+def fit_ring_link(points: Sequence[tuple[float, float]], world_size: int) -> Link:
+    """The link whose ring all-reduce over ``world_size`` ranks takes the measured seconds.
+
+    A ring costs ``2(n-1) α + 2(n-1)/n S β`` (``costs.ring_all_reduce_s``): the line through
+    ``(S bytes, t seconds)`` gives ``α = a / 2(n-1)`` and ``1/β = 2(n-1) / (n b)``.
+
+    Raises:
+        ValueError: fewer than two sizes, fewer than two ranks, or times that do not grow with size.
+    """
+    n = world_size
+    if n < 2:
+        raise ValueError(f"a ring link needs >= 2 ranks, got {n}")
+    a, b = _line(points)
+    if not b > 0:
+        raise ValueError(f"all-reduce times {[t for _, t in points]} do not grow with size: no bandwidth to fit")
+    return Link(max(0.0, a) / (2 * (n - 1)), 2 * (n - 1) / (n * b))
+
+
+def fit_pipelined_link(points: Sequence[tuple[float, float]], depth: int) -> Link:
+    """α and β of a depth-``depth`` pipeline (``costs.pipelined_s``) through two ``(S, t)`` points.
+
+    Solved by bisection on α (β follows from the larger point), since the best segment count
+    makes the cost piecewise in both.
+
+    Raises:
+        ValueError: not exactly two distinct sizes.
+    """
+    if len(points) != 2 or points[0][0] == points[1][0]:
+        raise ValueError(f"a pipelined fit takes exactly two distinct sizes, got {[s for s, _ in points]}")
+    (s1, t1), (s2, t2) = sorted(points)
+
+    def beta_for(alpha: float) -> float:
+        lo, hi = 0.0, 2 * t2 / s2
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if pipelined_s(Link(alpha, 1 / mid if mid else float("inf")), s2, depth) > t2:
+                hi = mid
+            else:
+                lo = mid
+        return max(lo, 1e-30)
+
+    lo, hi = 0.0, t1
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if pipelined_s(Link(mid, 1 / beta_for(mid)), s1, depth) > t1:
+            hi = mid
+        else:
+            lo = mid
+    return Link(lo, 1 / beta_for(lo))
+
+
+def busbw_points(busbw: dict[str, Any], op: str = "all_reduce") -> list[tuple[float, float]]:
+    """``(size bytes, median seconds)`` of ``op`` from a ``busbw.json``.
+
+    Raises:
+        ValueError: the file has no timing of ``op``.
+    """
+    points = [(float(r["size_bytes"]), float(r["time_s"])) for r in busbw.get("results", [])
+              if r.get("op") == op and not r.get("error")]
+    if not points:
+        raise ValueError(f"busbw.json has no measurement of {op!r}")
+    return points
+
+
+def compute_from_report(report: dict[str, Any]) -> Compute:
+    """One worker's compute from a ``report.json``: rank 0's median data, forward, backward
+    and optimizer seconds (a single-worker run: nothing waits for anyone)."""
+    rank0 = report["per_rank"][0]
+    return Compute(forward_s=rank0["median_forward_s"], backward_s=rank0["median_backward_s"],
+                   optimizer_s=rank0["median_optim_s"], data_s=rank0["median_data_s"],
+                   source=f"measured: single-worker run, {report['steps']} steps (medians)")
+
+
+def _phases(report: dict[str, Any]) -> dict[str, float]:
+    """Median over ranks of each rank's median forward, backward, optimizer and data seconds."""
+    import statistics
+
+    return {k: statistics.median(r[f"median_{k}_s"] for r in report["per_rank"])
+            for k in ("forward", "backward", "optim", "data")}
+
+
+def shared_compute(single: dict[str, Any], shared: dict[str, Any]) -> tuple[Compute, dict[str, float]]:
+    """Compute of a worker among others on the same machine's cores (the emulated cluster).
+
+    ``single`` is a single-worker run; ``shared`` a run of the cluster's number of workers on
+    the machine (``per_rank``: one entry each), whose per-phase medians over the single run's
+    are the slow-down of sharing the cores (communication waits are a phase of their own and
+    left out). The codecs slow down as backward does.
+
+    Returns:
+        the compute, and the slow-down factor per phase.
+    """
+    alone, together = _phases(single), _phases(shared)
+    factors = {k: together[k] / alone[k] if alone[k] > 0 else 1.0 for k in alone}
+    base = compute_from_report(single)
+    compute = Compute(forward_s=base.forward_s * factors["forward"], backward_s=base.backward_s * factors["backward"],
+                      optimizer_s=base.optimizer_s * factors["optim"], data_s=base.data_s * factors["data"],
+                      codec_scale=factors["backward"], alone_step_s=base.step_s,
+                      source=f"measured: single-worker run x the slow-down of {len(shared['per_rank'])} "
+                             "workers on this machine")
+    return compute, factors
+
+
+def compute_from_profile(profile: dict[str, Any], *, micro_batches: int = 1, optimizer_s: float = 0.0) -> Compute:
+    """Compute from a layer profile (``LayerProfile.as_dict()``, e.g. ``poise pipeline``'s
+    report.json ``profile``): forward and backward summed over layers, times ``micro_batches``."""
+    forward = sum(profile["forward_s"]) * micro_batches
+    total = sum(profile["time_s"]) * micro_batches
+    return Compute(forward_s=forward, backward_s=max(0.0, total - forward), optimizer_s=optimizer_s,
+                   source=f"measured: layer profile of {len(profile['time_s'])} layers x {micro_batches} micro-batches")
+
+
+def codec_speeds_from_kernels(kernels: Sequence[dict[str, Any]], mbytes: float, *, powersgd_rank: int = 8
+                              ) -> dict[str, CodecSpeed]:
+    """Encode/decode seconds per gradient byte from ``poise bench codecs``' kernel rows
+    (``encode_ms``, ``decode_ms`` on an ``mbytes`` MB gradient). PowerSGD's matrix products
+    grow with the rank: its row (measured at the rank in its options) is scaled to ``powersgd_rank``."""
+    nbytes = mbytes * 1e6
+    speeds = {}
+    for row in kernels:
+        name = row["codec"]
+        if name.endswith("-exact"):
+            continue
+        factor = 1.0
+        if name == "powersgd":
+            factor = powersgd_rank / float(row.get("options", {}).get("rank", 4))
+        speeds[name] = CodecSpeed(row["encode_ms"] * 1e-3 / nbytes * factor, row["decode_ms"] * 1e-3 / nbytes * factor,
+                                  source=f"measured: poise bench codecs, {mbytes:g} MB"
+                                  + (f" (rank {row.get('options', {}).get('rank', 4)} scaled to {powersgd_rank})"
+                                     if factor != 1.0 else ""))
+    return speeds
+
+
+def codec_speeds(measured: dict[str, dict[str, float]], source: str = "measured: error feedback around the codec, "
+                 "the model's buckets, one thread") -> dict[str, CodecSpeed]:
+    """:class:`CodecSpeed` per codec from ``{name: {encode_s_per_byte, decode_s_per_byte}}``."""
+    return {name: CodecSpeed(v["encode_s_per_byte"], v["decode_s_per_byte"], source) for name, v in measured.items()}

@@ -3,7 +3,8 @@
 In your own training script, :class:`Session` is the whole API: it wraps your model in DDP
 with poise's gradient codec and timing probe, gives your DataLoader a balanced batch sampler,
 weights each step's loss so unequal batches give the exact gradient, measures every rank,
-re-plans from measured speeds, and writes report.json, timeline.png and trace.json.
+re-plans from measured speeds, bounds each step by a shared deadline under stragglers
+(``straggler=``), and writes report.json, timeline.png and trace.json.
 Adapters: ``poise.integrations.lightning`` and ``poise.integrations.accelerate``.
 
 The pieces are public too: ``poise.balance`` (samplers, planner, the balance metric, stage
@@ -12,8 +13,9 @@ setting, typed and validated). The command line (``poise train``, ``poise bench`
 built on the same API.
 """
 
-from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, RunConfig
-from poise.session import Session, Step
+from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, RunConfig, StragglerConfig
+from poise.session import DeadlineStep, Session, Step
 
-__all__ = ["BalanceConfig", "CommConfig", "DiagnosticsConfig", "MetricsConfig", "RunConfig", "Session", "Step"]
+__all__ = ["BalanceConfig", "CommConfig", "DeadlineStep", "DiagnosticsConfig", "MetricsConfig", "RunConfig",
+           "Session", "Step", "StragglerConfig"]
 __version__ = "0.1.0"

@@ -59,13 +59,14 @@ from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, instrumented
 from poise.comm.settle import settle_buckets
 from poise.comm.state import CommState
-from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig
+from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, StragglerConfig
 from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.clock import HostClock, clock_for
 from poise.diagnostics.marks import StepMarks
 from poise.diagnostics.timeline import StepRecord, Timeline
 from poise.runtime.slowdown import apply_slowdown
+from poise.straggler.steps import DeadlineRunner, StepPlan, zero_backward
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,11 @@ class Session:
             a CPU quota, or sleeps in proportion to compute). Same as ``BalanceConfig.rank_speed``.
         comm: a codec name (``none``, ``fp16``, ``topk``, ``powersgd``, ...) or a
             :class:`~poise.config.CommConfig` (codec, error feedback, collective, buckets).
+        straggler: ``off`` | ``deadline`` | ``deadline+stale``, or a
+            :class:`~poise.config.StragglerConfig` (micro-batches, slack, predictor, injected
+            delays): each rank computes micro-batches until the step's shared deadline, samples
+            it did not reach go back into the epoch's plan (``poise/straggler/``). Steps are then
+            run with ``for step, micro_batches in session.steps(loader)``.
         diagnostics: how often figures are gathered to rank 0 (a ``DiagnosticsConfig``).
         metrics: a ``MetricsConfig`` with a port: rank 0 serves live Prometheus metrics,
             updated at every gather (``poise/diagnostics/metrics.py``). None: off.
@@ -136,6 +142,7 @@ class Session:
         balance: str | BalanceConfig = "cost",
         rank_speed: str = "",
         comm: str | CommConfig = "none",
+        straggler: str | StragglerConfig = "off",
         diagnostics: DiagnosticsConfig | None = None,
         metrics: MetricsConfig | None = None,
         out_dir: str | Path | None = None,
@@ -166,6 +173,11 @@ class Session:
                                  "give one of them")
             self.balance = dataclasses.replace(self.balance, rank_speed=rank_speed)
         self.comm = CommConfig(codec=comm) if isinstance(comm, str) else comm
+        self.straggler = StragglerConfig(mode=straggler) if isinstance(straggler, str) else straggler
+        if (self.straggler.enabled or self.straggler.delay) and accum_steps != 1:
+            raise ValueError(f"accum_steps={accum_steps} with straggler.mode={self.straggler.mode!r} (or delays): "
+                             "a deadline step accumulates its own micro-batches (straggler.micro_batches); "
+                             "use accum_steps=1")
         self.diagnostics = diagnostics or DiagnosticsConfig()
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.accum_steps, self.total_steps = accum_steps, total_steps
@@ -210,6 +222,13 @@ class Session:
                 confident_error=b.confident_error, fit_alpha=b.fit_alpha, device=collective_device,
             )
 
+        # Deadline steps (and injected delays): one rank's state, see poise/straggler/steps.py.
+        self.deadline: DeadlineRunner | None = None
+        if self.straggler.enabled or self.straggler.delay:
+            cost = getattr(self.sampler, "cost_fn", None)
+            costs = np.asarray(cost(self.lengths) if cost is not None else self.lengths, dtype=np.float64)
+            self.deadline = DeadlineRunner(self.straggler, rank=self.rank, world_size=self.world_size, costs=costs,
+                                           loss_terms=self.loss_terms, device=collective_device, seed=seed)
         # Emulated slowness is installed around the step and the hook, never passed into them.
         self.slowdown = apply_slowdown(self.rank, self.balance.rank_speeds(), self.balance.slowdown_method,
                                        torch.get_num_threads(), noise=self.balance.speed_noise, seed=seed,
@@ -253,6 +272,8 @@ class Session:
                 bucket_cap_mb=bucket_cap_mb,
             )
         hook, state = comm_builder.build(self.comm, start_step=self.compression_start)
+        if self.deadline is not None and self.deadline.stash is not None:
+            hook = self.deadline.stash.wrap(hook)  # sees each bucket before the codec does
         # order matters: the emulated slowness must happen before the probe reads the clock
         ddp.register_comm_hook(state, self.slowdown.wrap_hook(instrumented(hook, self.probe)))
         return ddp, state
@@ -291,6 +312,9 @@ class Session:
         """
         if self._active is not None:
             raise ValueError("session.step() while another step is open: one step per batch, one at a time")
+        if self.deadline is not None:
+            raise ValueError(f"straggler.mode={self.straggler.mode!r}: a step is a series of micro-batches; run "
+                             "`for step, micro_batches in session.steps(loader)` and step.backward(loss) for each")
         if not self.sampler.handed:
             raise ValueError("session.step(): no batch from session.sampler is waiting: give your DataLoader "
                              "batch_sampler=session.sampler (or use session.dataloader(dataset)), one step per batch")
@@ -311,7 +335,17 @@ class Session:
         """``(step, batch)`` for every batch of ``loader``, each step open while you train on its
         batch: it ends when the loop asks for the next one (or leaves the loop). Replaces
         ``for batch in loader:`` with one changed line; call ``step.backward(loss)``.
+
+        With ``straggler`` on (or delays injected), it yields ``(step, micro_batches)`` instead:
+        run ``step.backward(loss)`` for each micro-batch it hands out, then your optimizer step
+        (skip it when ``step.empty``: no rank computed anything). The micro-batches are fetched
+        here, from ``loader.dataset`` with ``loader.collate_fn``, in this process (a DataLoader's
+        workers would load samples the deadline may not reach; those go back into the epoch's
+        plan). After the epoch's last planned step come the catch-up steps of what was deferred.
         """
+        if self.deadline is not None:
+            yield from self._deadline_steps(loader)
+            return
         for batch in loader:
             step = self.step()
             try:
@@ -322,7 +356,52 @@ class Session:
                 else:
                     step.abort()
                 raise
-            step.end()
+            if self._active is step:  # not ended by the loop itself
+                step.end()
+
+    def _deadline_steps(self, loader: Any) -> Iterator[tuple[DeadlineStep, Iterator[Any]]]:
+        if getattr(loader, "batch_sampler", None) is not self.sampler:
+            raise ValueError("session.steps(loader) with straggler on: the loader must have "
+                             "batch_sampler=session.sampler (micro-batches are fetched from loader.dataset)")
+        dataset, collate = loader.dataset, loader.collate_fn
+
+        def load(indices: np.ndarray) -> Any:
+            return collate([dataset[int(i)] for i in indices])
+
+        def one(catch_up: bool) -> Iterator[tuple[DeadlineStep, Iterator[Any]]]:
+            step = self._deadline_step(catch_up)
+            try:
+                yield step, step.micro_batches(load)
+            except GeneratorExit:  # the loop was left inside this step
+                if self._active is step:
+                    step.end() if step.plan.settled else step.abort()
+                raise
+            if self._active is step:  # not ended by the loop itself
+                step.end()
+
+        assert self.deadline is not None
+        for _ in self.sampler:  # this rank's batch of each planned step; its micro-batches are loaded in the step
+            yield from one(False)
+        while len(self.deadline.pool):  # the epoch's deferred samples, every rank agreeing on the pool
+            yield from one(True)
+
+    def _deadline_step(self, catch_up: bool) -> DeadlineStep:
+        assert self.deadline is not None
+        if self._active is not None:
+            raise ValueError("a deadline step while another step is open")
+        if catch_up:
+            epoch, position, handed_s, batches = self.sampler.epoch, -1, time.perf_counter(), None
+        else:
+            epoch, position, handed_s = self.sampler.handed.popleft()
+            batches = self.sampler.global_batches(position)
+        plan = self.deadline.plan_step(self.steps_done, batches)
+        queue = plan.queues.micro[self.rank]
+        step = DeadlineStep(self, plan=plan, index=self.steps_done, epoch=epoch, position=position,
+                            indices=np.concatenate(queue) if queue else np.zeros(0, dtype=np.int64))
+        since = max(handed_s, self._last_exit_s) if self._last_exit_s is not None else handed_s
+        step._open(data_s=max(0.0, time.perf_counter() - since))
+        plan.started_s = time.perf_counter()
+        return step
 
     def _close_step(self, marks: StepMarks) -> None:
         self._active = None
@@ -374,6 +453,7 @@ class Session:
             "window": window,
             "comm": self.comm_state.state_dict(),
             "comm_shared": self.comm_state.shared_state_dict(),
+            "straggler": self.deadline.state_dict() if self.deadline is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -399,6 +479,8 @@ class Session:
             self.comm_state.load_shared_state_dict(state.get("comm_shared") or {"step": 0})
             log.info("session state of rank %s of %s loaded on rank %d of %d: data position only",
                      state["rank"], state["world_size"], self.rank, self.world_size)
+        if self.deadline is not None and state.get("straggler") and same_world:
+            self.deadline.load_state_dict(state["straggler"])
         self.steps_done = int(state["steps_done"]) if same_world else 0
 
     # -- the end ---------------------------------------------------------------------------
@@ -424,7 +506,8 @@ class Session:
         self.timeline.flush()
         slowdowns: list[Any] = [None] * self.world_size
         dist.all_gather_object(slowdowns, {"speed": self.slowdown.speed, "method": self.slowdown.method,
-                                           "from_step": self.slowdown.from_step, "noise": self.slowdown.noise})
+                                           "from_step": self.slowdown.from_step, "noise": self.slowdown.noise,
+                                           "straggler": self.deadline.summary() if self.deadline else None})
         report, failure, error = None, [None], None
         if self.rank == 0:
             try:
@@ -450,6 +533,7 @@ class Session:
             "codec": self.comm.codec,
             "compression_start_step": self.compression_start,  # optimizer steps sent uncompressed first
             "replans": [e.__dict__ for e in self.partitioner.history] if self.partitioner else [],
+            "straggler": [d.pop("straggler") for d in slowdowns],  # per rank; None: off
             "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed
             **(extra or {}),
         }
@@ -578,4 +662,101 @@ class Step:
             self.end()
 
 
-__all__ = ["RANK_KEYS", "Session", "Step"]
+class DeadlineStep(Step):
+    """A step under ``straggler`` (see :mod:`poise.straggler.steps`): micro-batches until the
+    shared deadline, one :meth:`backward` each; the reduction is the exact mean over the loss
+    terms every rank actually computed.
+
+    Attributes (besides :class:`Step`'s):
+        plan: the step's queues, deadline and counts (:class:`~poise.straggler.steps.StepPlan`).
+        trained: this rank's sample indices trained in the step (after :meth:`end`).
+        empty: no rank computed anything (skip the optimizer step: the gradient is zero).
+    """
+
+    def __init__(self, session: Session, *, plan: StepPlan, index: int, epoch: int, position: int,
+                 indices: np.ndarray) -> None:
+        super().__init__(session, index=index, epoch=epoch, position=position, indices=indices, weight=0.0, sync=True)
+        self.plan = plan
+        self.trained = np.zeros(0, dtype=np.int64)
+        self.empty = False
+        self._loss_sum: torch.Tensor | None = None
+        self._terms = 0.0
+
+    def micro_batches(self, load: Callable[[np.ndarray], Any]) -> Iterator[Any]:
+        """This rank's micro-batches until the deadline, each loaded by ``load(indices)``."""
+        runner = self.session.deadline
+        assert runner is not None
+        return runner.micro_batches(self.plan, load, self._arm, self._zero_reduce)
+
+    def _arm(self, last: bool) -> None:
+        """Before a micro-batch's forward: DDP reduces in its backward only when it is the last."""
+        if last:
+            self._leave_no_sync()
+        elif self._no_sync is None:
+            self._no_sync = self.session.model.no_sync()
+            self._no_sync.__enter__()
+
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None) -> None:
+        """Weight ``loss`` (the mean over the micro-batch just handed out) and run backward."""
+        s, m, plan = self.session, self._marks, self.plan
+        runner = s.deadline
+        assert runner is not None
+        if m is None or s._active is not self:
+            raise ValueError(f"step.backward() on step {self.index}, which has ended")
+        if plan.current is None or plan.backwards != plan.computed:
+            raise ValueError(f"step.backward() in step {self.index}: once per micro-batch handed out by "
+                             "micro_batches, inside its loop")
+        plan.backwards += 1
+        s.slowdown.stretch()
+        terms = runner.terms_of(plan.current)
+        weighted = loss * (s.world_size * terms / plan.reference)
+        if plan.last:
+            m.backward = s.clock.mark()
+            runner.begin_reduce(plan, plan.current)
+        run = backward or s.backward
+        if run is None:
+            weighted.backward()
+        else:
+            run(weighted)
+        if plan.last:
+            self._reduced(m)
+        detached = loss.detach() * terms
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._terms += terms
+
+    def _zero_reduce(self) -> None:
+        s, m = self.session, self._marks
+        assert m is not None and s.deadline is not None
+        m.backward = s.clock.mark()
+        s.deadline.begin_reduce(self.plan, None)
+        zero_backward(s.model)
+        self._reduced(m)
+
+    def _reduced(self, m: StepMarks) -> None:
+        s = self.session
+        assert s.deadline is not None
+        m.backward_end = s.clock.mark()
+        m.ready = s.probe.last_ready
+        m.in_flight = list(s.probe.in_flight)
+        s.deadline.end_reduce(self.plan, s.model)
+
+    def end(self) -> None:
+        """Close the step (after your optimizer step): the pool and the record."""
+        s, m = self.session, self._marks
+        if m is None or s._active is not self:
+            raise ValueError(f"step {self.index} is not open: end() once per step")
+        assert s.deadline is not None
+        if not self.plan.reduced:  # the micro-batch loop was left early: join the reduction now
+            self._arm(True)
+            self._zero_reduce()
+        self.trained = s.deadline.finish_step(self.plan, sampler_step=self.position >= 0)
+        self.empty = self.plan.total_terms == 0
+        lengths = s.lengths[self.trained]
+        m.indices, m.samples, m.tokens = self.trained, len(lengths), int(lengths.sum())
+        m.padded_tokens = int(len(lengths) * lengths.max()) if len(lengths) else 0
+        self.loss = self._loss_sum / self._terms if self._loss_sum is not None and self._terms else None
+        self.skipped = self.skipped or self.empty
+        super().end()
+
+
+__all__ = ["RANK_KEYS", "DeadlineStep", "Session", "Step"]

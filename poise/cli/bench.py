@@ -9,11 +9,23 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from poise.bench import balance, checkpoint, codecs, diagnose, faults, network, partition, plan, scaling
+from poise.bench import (
+    balance,
+    checkpoint,
+    codecs,
+    diagnose,
+    faults,
+    network,
+    partition,
+    plan,
+    scaling,
+    stragglers,
+)
 
 FAMILIES: dict[str, ModuleType] = {
     "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "network": network,
     "checkpoint": checkpoint, "diagnose": diagnose, "faults": faults, "plan": plan,
+    "stragglers": stragglers,
 }
 
 

@@ -31,6 +31,8 @@ ALIASES = {
     "--balance": "balance.strategy",
     "--rank-speed": "balance.rank_speed",
     "--codec": "comm.codec",
+    "--straggler": "straggler.mode",
+    "--delay": "straggler.delay",
     "--topk-ratio": "comm.topk_ratio",
     "--collective": "comm.collective",
     "--bucket-mb": "comm.bucket_mb",

@@ -51,6 +51,7 @@ from poise.config.sections import (
     MetricsConfig,
     PipelineConfig,
     RunConfig,
+    StragglerConfig,
     TaskConfig,
     TrainConfig,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "MetricsConfig",
     "PipelineConfig",
     "RunConfig",
+    "StragglerConfig",
     "TaskConfig",
     "TrainConfig",
     "coerce",

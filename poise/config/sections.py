@@ -13,11 +13,13 @@ from typing import Any
 
 from poise.cluster import links
 from poise.cluster.state import MAX_NODES, validate_name
+from poise.straggler.delays import DelayModel
 from poise.units import format_rate_bit_per_s
 
 TASK_NAMES = ("code-lm", "digits")
 BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_STRATEGIES = ("static", "cost", "dynamic")
+STRAGGLER_MODES = ("off", "deadline", "deadline+stale")
 # Gradient codecs (poise.comm.codecs.CODECS) plus torch's own hooks, for comparison.
 CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16", "torch-powersgd")
 # codecs whose error per step is of the order of the gradient itself: they start compressing
@@ -269,6 +271,45 @@ class BalanceConfig:
                 raise ValueError(f"balance.rank_speed: speed {speed!r} of rank {r} is outside (0, 1]")
             speeds[r] = (s, k)
         return speeds
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerConfig:
+    """Straggler-tolerant aggregation: a shared deadline per step (see poise/straggler/)."""
+
+    mode: str = _field("off", f"{', '.join(STRAGGLER_MODES)}: deadline = each rank computes micro-batches until "
+                       "the step's shared deadline, what it did not reach goes back into the epoch's plan; "
+                       "deadline+stale = also, a rank that computed nothing sends its previous gradient (biased)")
+    micro_batches: int = _field(4, "deadline: micro-batches per rank per step (its batch cut into this many parts)")
+    slack: float = _field(0.25, "deadline: the deadline is (1 + slack) x the median rank's predicted step compute")
+    predictor: str = _field("quantile", "deadline: per-rank predictor of micro-batch time: quantile (median of "
+                            "the window), ewma, lstm")
+    max_staleness: int = _field(1, "deadline+stale: oldest previous gradient sent, in steps")
+    delay: str = _field("", "injected delays (sleeps): bernoulli:p=0.2,x=1[,per=micro] | lognormal:mean=0.2,sigma=1 "
+                        "| pareto:mean=0.2,alpha=2.5 | slow:rank=1,x=0.2 ('' = none); works in every mode")
+
+    def __post_init__(self) -> None:
+        _finite("straggler", self)
+        if self.mode not in STRAGGLER_MODES:
+            raise ValueError(f"straggler.mode={self.mode!r} is unknown: allowed are {', '.join(STRAGGLER_MODES)}")
+        if not 1 <= self.micro_batches <= 1024:
+            raise ValueError(f"straggler.micro_batches={self.micro_batches} is outside 1-1024")
+        if not 0.0 <= self.slack <= 10.0:
+            raise ValueError(f"straggler.slack={self.slack} is outside [0, 10]")
+        if self.predictor not in ("quantile", "ewma", "lstm"):
+            raise ValueError(f"straggler.predictor={self.predictor!r} is unknown: allowed are quantile, ewma, lstm")
+        if not 0 <= self.max_staleness <= 100:
+            raise ValueError(f"straggler.max_staleness={self.max_staleness} is outside 0-100")
+        self.delay_model()  # validates
+
+    @property
+    def enabled(self) -> bool:
+        """Whether steps run against a deadline."""
+        return self.mode != "off"
+
+    def delay_model(self, seed: int = 0) -> DelayModel:
+        """``delay`` parsed, its draws seeded by ``seed``."""
+        return DelayModel.parse(self.delay, seed=seed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -549,6 +590,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -69,7 +69,9 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
     steady_step_s = float(np.median(step_s.max(axis=1)))
     # per step, the ranks' losses weighted by their real tokens (as the gradient is)
     step_tokens = column(table, "tokens")
-    losses = loss_scale * (column(table, "loss") * step_tokens).sum(axis=0) / np.maximum(step_tokens.sum(axis=0), 1)
+    # (a rank that trained nothing in a step, under a deadline, has no loss: weight 0)
+    weighted = np.where(step_tokens > 0, column(table, "loss") * step_tokens, 0.0)
+    losses = loss_scale * weighted.sum(axis=0) / np.maximum(step_tokens.sum(axis=0), 1)
     k = max(1, min(5, len(losses) // 4))
     per_rank = []
     for r in range(table.shape[0]):
@@ -96,6 +98,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "balance_last_half": float(np.mean(step_balance[len(step_balance) // 2 :])),
         # every step's balance, the first included (step 0 is left out of the means above)
         "balance_per_step": [float(balance(row)) for row in column(table, "compute_s").T],
+        "step_s_per_step": [float(v) for v in column(table, "step_s").max(axis=0)],  # the slowest rank's, seconds
         "idle_fraction": idle_fraction(compute),
         "comm_fraction": float(np.clip(blocked - idle, 0, None).sum() / step_s.sum()),
         "blocked_fraction": float(blocked.sum() / step_s.sum()),

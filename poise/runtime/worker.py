@@ -174,7 +174,8 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     model = task.build_model().to(ctx.device)
     freeze(model, tc.frozen_prefixes())
     session = Session(model, sampler=sampler, loss_terms=task.train_targets, balance=config.balance,
-                      comm=config.comm, diagnostics=config.diagnostics, metrics=config.metrics, out_dir=config.out_dir,
+                      comm=config.comm, straggler=config.straggler, seed=tc.seed, diagnostics=config.diagnostics,
+                      metrics=config.metrics, out_dir=config.out_dir,
                       accum_steps=tc.accum_steps, total_steps=optimizer_steps, lr_warmup_steps=warmup)
     ddp = session.model
     trainable = [p for p in ddp.parameters() if p.requires_grad]
@@ -231,19 +232,32 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         # epochs: every epoch to its end (after an elastic resume, the step count is another one)
         while epoch < tc.epochs if tc.epochs is not None else steps_done < total_micro:
             session.sampler.set_epoch(epoch)  # keeps a resumed epoch's position
-            for batch in loader:
+            for item in (session.steps(loader) if session.deadline is not None else loader):
                 faults.check(ctx.rank, steps_done)
-                last = run_ends_after_this_batch()
-                with session.step(sync=True if last else None) as step:
-                    if samples is not None:
-                        samples.write(step.index, step.epoch, step.indices)
-                    step.backward(task.train_loss(ddp, batch.to(ctx.device)))
-                    if step.sync:
+                if session.deadline is not None:
+                    step, micro_batches = item  # straggler-tolerant: micro-batches until the deadline
+                    for batch in micro_batches:
+                        step.backward(task.train_loss(ddp, batch.to(ctx.device)))
+                    if step.empty:  # nobody computed anything: a zero gradient, no optimizer step
+                        optimizer.zero_grad(set_to_none=True)
+                    else:
                         step.skipped = clip_and_step(ddp, optimizer, scheduler, tc.grad_clip_norm, step.index,
                                                      config.comm.on_nonfinite, ctx.rank)
+                    step.end()
+                    if samples is not None:
+                        samples.write(step.index, step.epoch, step.trained)
+                else:
+                    last = run_ends_after_this_batch()
+                    with session.step(sync=True if last else None) as step:
+                        if samples is not None:
+                            samples.write(step.index, step.epoch, step.indices)
+                        step.backward(task.train_loss(ddp, item.to(ctx.device)))
+                        if step.sync:
+                            step.skipped = clip_and_step(ddp, optimizer, scheduler, tc.grad_clip_norm, step.index,
+                                                         config.comm.on_nonfinite, ctx.rank)
                 rec = session.last_record  # on CUDA, the step before (its events are read a step late)
                 if rec is not None:
-                    if not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
+                    if rec.samples and not math.isfinite(rec.loss) and config.comm.on_nonfinite == "error":
                         raise FloatingPointError(
                             f"training loss is {rec.loss} at step {rec.step} on rank {ctx.rank} "
                             "(comm.on_nonfinite='skip' skips such steps instead)"

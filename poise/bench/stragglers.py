@@ -1,0 +1,249 @@
+"""``poise bench stragglers``: plain DDP against deadline steps under random worker delays.
+
+Real ``poise train`` jobs of a small code-lm (1 thread per worker, so 4 workers share this
+machine's 2 cores), for each world size, delay model and seed, side by side:
+
+- ``delay-free``: plain DDP, no delays: the reference;
+- ``ddp``: plain DDP (every rank waits for the slowest) under the delays;
+- ``deadline``: straggler-tolerant steps (``--straggler deadline``);
+- ``deadline+stale``: the same, a rank that computed nothing sends its previous gradient.
+
+Every delay model is at "20 %": its mean inflation of a rank's compute is 0.2 (the table's
+title defines each). Delays are sleeps (see ``poise/straggler/delays.py``): a delayed rank gives
+its core away, which at 4 workers on 2 cores lets the others run faster meanwhile; at 2
+workers each has its own core and a delay is time lost.
+
+Per run: throughput (trained samples/s over the training steps) against the delay-free run
+of the same world size and seed, p50 and p99 step time, the share of planned micro-batches
+deferred, training loss at equal real tokens against delay-free (mean over seeds), wall time
+to the delay-free run's loss, and samples trained twice within an epoch (from the per-step
+sample records). Medians over seeds. Then every predictor scored on the recorded micro-batch
+traces (median absolute error, one step ahead, against the next observation and against
+its compute alone), and an epoch of the digits task under each model with
+``deadline``: every sample trained exactly once.
+
+Writes ``stragglers.json``: one row per run (``run``, ``world_size``, ``delay_model``, ``mode``,
+``throughput_vs_delay_free``, ``loss_vs_delay_free``, ``p99_step_s``, ...), the predictor
+scores and the epoch checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from poise.bench.balance import loss_at_tokens
+from poise.bench.harness import output_dir, positive_ints, require_positive, run_train_job, save_results, show_table
+from poise.straggler.delays import DelayModel
+from poise.straggler.predict import PREDICTORS, evaluate
+
+HELP = "plain DDP vs deadline steps under 20% random worker delays (world sizes 2 and 4)"
+
+MODELS = {
+    "bernoulli": "bernoulli:p=0.2,x=1",
+    "lognormal": "lognormal:mean=0.2,sigma=1",
+    "pareto": "pareto:mean=0.2,alpha=2.5",
+    "slow-rank": "slow:rank=1,x=0.2",
+}
+MODES = {"ddp": "off", "deadline": "deadline", "deadline+stale": "deadline+stale"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"delay models among {', '.join(MODELS)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"modes among {', '.join(MODES)}")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
+    parser.add_argument("--steps", type=int, default=40, help="steps per run")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per step")
+    parser.add_argument("--no-epoch-check", action="store_true", help="skip the digits epochs")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per run, seconds")
+    parser.add_argument("--out", default="", help="output directory (default runs/bench-stragglers-<timestamp>)")
+    parser.add_argument("train_args", nargs="*", help="extra 'poise train' flags for every run, after --")
+
+
+def _choices(text: str, allowed: dict[str, str], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ValueError(f"{flag}={text!r}: allowed are {', '.join(allowed)}")
+    return names
+
+
+def duplicates_per_epoch(out: Path) -> tuple[int, dict[int, list[int]]]:
+    """Samples trained more than once within an epoch, from the run's sample records; and
+    each epoch's trained indices."""
+    epochs: dict[int, list[int]] = {}
+    for path in sorted((out / "samples").glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            epochs.setdefault(int(entry["epoch"]), []).extend(int(i) for i in entry["indices"])
+    return sum(len(v) - len(set(v)) for v in epochs.values()), epochs
+
+
+def time_to_loss(report: dict[str, Any], target: float, window: int = 10) -> float | None:
+    """Seconds of training steps until the running mean (``window`` steps) of the training
+    loss first reaches ``target``; None: never."""
+    losses = np.array([v for _, v in report["loss_curve"]])
+    times = np.cumsum(report["step_s_per_step"])
+    for s in range(window, len(losses) + 1):
+        if losses[s - window:s].mean() <= target:
+            return float(times[s - 1])
+    return None
+
+
+def _row(name: str, world: int, model: str, mode: str, seed: int, rep: dict[str, Any], out: Path) -> dict[str, Any]:
+    steps = np.asarray(rep["step_s_per_step"][1:])  # the first step builds buckets and warms up
+    summaries = [s for s in rep.get("straggler") or [] if s]
+    planned = sum(s["micro_planned"] for s in summaries)
+    dup, _ = duplicates_per_epoch(out / name)
+    return {
+        "run": name, "world_size": world, "delay_model": model, "mode": mode, "seed": seed,
+        "throughput_samples_per_s": rep["throughput_samples_per_s"],
+        "p50_step_s": float(np.median(steps)), "p99_step_s": float(np.quantile(steps, 0.99)),
+        "deferred_share": sum(s["micro_deferred"] for s in summaries) / planned if planned else 0.0,
+        "stale_steps": sum(s["stale_steps"] for s in summaries),
+        "samples_duplicated": dup,
+        "tokens": rep["loss_curve"][-1][0],
+        "_report": rep,
+    }
+
+
+def _score_predictors(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every predictor on the recorded traces of the deadline runs, per delay model."""
+    scores = []
+    for model in sorted({r["delay_model"] for r in rows if r["mode"] == "deadline"}):
+        traces = [s["trace"] for r in rows if r["mode"] == "deadline" and r["delay_model"] == model
+                  for s in r["_report"]["straggler"] if s and len(s["trace"]) > 20]
+        entry: dict[str, Any] = {"delay_model": model, "traces": len(traces)}
+        for name in PREDICTORS:
+            results = [evaluate([a for a, _ in t], name, typical=[b for _, b in t]) for t in traces]
+            entry[f"{name}_mdape"] = statistics.median(x["mdape"] for x in results) if results else None
+            entry[f"{name}_mdape_compute"] = statistics.median(x["mdape_typical"] for x in results) if results else None
+        best = min(PREDICTORS, key=lambda n: entry[f"{n}_mdape_compute"] or float("inf"))
+        entry["best"] = best
+        scores.append(entry)
+    return scores
+
+
+def _epoch_checks(args: argparse.Namespace, out: Path, models: list[str], world: int) -> list[dict[str, Any]]:
+    """An epoch of digits with ``deadline`` under each model: every sample once."""
+    checks = []
+    for model in models:
+        name = f"epoch-w{world}-{model}"
+        run_train_job(name, out, ["--task", "digits", "--nproc", str(world), "--epochs", "1", "--batch-size", "16",
+                                  "--dist.threads_per_worker", "1", "--straggler", "deadline", "--delay",
+                                  MODELS[model], "--diagnostics.record_samples", "true", *args.train_args],
+                      args.timeout_s)
+        dup, epochs = duplicates_per_epoch(out / name)
+        planned = json.loads((out / name / "report.json").read_text())
+        trained = epochs.get(0, [])
+        checks.append({"run": name, "delay_model": model, "trained": len(trained), "distinct": len(set(trained)),
+                       "samples_duplicated": dup, "deferred_share": sum(
+                           s["micro_deferred"] for s in planned["straggler"] if s) / max(1, sum(
+                               s["micro_planned"] for s in planned["straggler"] if s))})
+    return checks
+
+
+def run(args: argparse.Namespace) -> int:
+    require_positive(args, "seeds", "steps", "batch_size", "micro_batches", "timeout_s")
+    worlds = positive_ints(args.worlds, "--worlds")
+    models = _choices(args.models, MODELS, "--models")
+    modes = _choices(args.modes, MODES, "--modes")
+    out = output_dir(args.out, "stragglers")
+    rows: list[dict[str, Any]] = []
+    for world in worlds:
+        for seed in range(args.seeds):
+            common = ["--task", "code-lm", "--task.d_model", "128", "--task.num_layers", "2", "--max-seq-len", "256",
+                      "--batch-size", str(args.batch_size), "--nproc", str(world), "--steps", str(args.steps),
+                      "--seed", str(seed), "--dist.threads_per_worker", "1", "--task.eval_max_samples", "16",
+                      "--diagnostics.record_samples", "true", "--straggler.micro_batches", str(args.micro_batches),
+                      *args.train_args]
+            name = f"w{world}-delay-free-s{seed}"
+            rows.append(_row(name, world, "none", "delay-free", seed, run_train_job(name, out, common,
+                                                                                   args.timeout_s), out))
+            for model in models:
+                for mode in modes:
+                    name = f"w{world}-{model}-{mode}-s{seed}"
+                    flags = [*common, "--straggler", MODES[mode], "--delay", MODELS[model]]
+                    rows.append(_row(name, world, model, mode, seed, run_train_job(name, out, flags, args.timeout_s),
+                                     out))
+    _compare(rows)
+    table = _summary(rows)
+    show_table(
+        f"poise bench stragglers: code-lm d128x2 (256 bytes), {args.steps} steps, batch {args.batch_size}/rank in "
+        f"{args.micro_batches} micro-batches, 1 thread per worker on this machine's cores, medians over "
+        f"{args.seeds} seed(s). Delays (each a 20% mean inflation): " + "; ".join(
+            f"{m} = {DelayModel.parse(MODELS[m]).describe()}" for m in models),
+        table,
+        [
+            ("world_size", "world", str), ("delay_model", "delays", str), ("mode", "mode", str),
+            ("throughput_vs_delay_free", "throughput vs delay-free", lambda v: f"{v:.3f}"),
+            ("p50_step_s", "p50 step s", lambda v: f"{v:.3f}"), ("p99_step_s", "p99 step s", lambda v: f"{v:.3f}"),
+            ("deferred_share", "deferred", lambda v: f"{v:.1%}"),
+            ("loss_vs_delay_free", "loss vs delay-free", lambda v: f"{v:+.2%}"),
+            ("time_to_loss_vs_delay_free", "time to loss vs delay-free",
+             lambda v: "never" if v is None else f"{v:.2f}"),
+            ("samples_duplicated", "dup", str),
+        ],
+    )
+    scores = _score_predictors(rows)
+    show_table("predictors on the recorded micro-batch traces (median |error| one step ahead; against the next "
+               "observation, and against its compute alone)", scores,
+               [("delay_model", "delays", str), ("traces", "traces", str),
+                *[(f"{n}_{k}", f"{n} {label}", lambda v: "-" if v is None else f"{v:.1%}")
+                  for n in PREDICTORS for k, label in (("mdape", "next"), ("mdape_compute", "compute"))],
+                ("best", "best", str)])
+    checks = [] if args.no_epoch_check else _epoch_checks(args, out, models, max(worlds))
+    if checks:
+        show_table("an epoch of digits under each delay model, deadline steps: every sample trained once",
+                   checks, [("run", "run", str), ("trained", "trained", str), ("distinct", "distinct", str),
+                            ("samples_duplicated", "dup", str), ("deferred_share", "deferred", lambda v: f"{v:.1%}")])
+    for r in rows:
+        r.pop("_report")
+    save_results(out, "stragglers", {"steps": args.steps, "seeds": args.seeds, "models": {m: MODELS[m] for m in models},
+                                     "runs": rows, "summary": table, "predictors": scores, "epoch_checks": checks})
+    return 0
+
+
+def _compare(rows: list[dict[str, Any]]) -> None:
+    """Each run against the delay-free run of its world size and seed."""
+    free = {(r["world_size"], r["seed"]): r for r in rows if r["mode"] == "delay-free"}
+    common = {w: min(r["tokens"] for r in rows if r["world_size"] == w) for w in {r["world_size"] for r in rows}}
+    for r in rows:
+        ref = free[(r["world_size"], r["seed"])]
+        tokens = common[r["world_size"]]
+        r["throughput_vs_delay_free"] = r["throughput_samples_per_s"] / ref["throughput_samples_per_s"]
+        loss, ref_loss = (loss_at_tokens(x["_report"]["loss_curve"], tokens) for x in (r, ref))
+        r["loss_at_common_tokens"] = loss
+        r["loss_vs_delay_free"] = loss / ref_loss - 1.0
+        target = loss_at_tokens(ref["_report"]["loss_curve"], tokens)
+        t, t_ref = time_to_loss(r["_report"], target), time_to_loss(ref["_report"], target)
+        r["time_to_loss_s"] = t
+        r["time_to_loss_vs_delay_free"] = None if t is None or not t_ref else t / t_ref
+
+
+def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median over seeds per (world, model, mode); the loss change is the mean over seeds."""
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["world_size"], r["delay_model"], r["mode"]), []).append(r)
+    table = []
+    for (world, model, mode), members in groups.items():
+        times = [m["time_to_loss_vs_delay_free"] for m in members]
+        table.append({
+            "world_size": world, "delay_model": model, "mode": mode, "seeds": len(members),
+            "throughput_vs_delay_free": statistics.median(m["throughput_vs_delay_free"] for m in members),
+            "p50_step_s": statistics.median(m["p50_step_s"] for m in members),
+            "p99_step_s": statistics.median(m["p99_step_s"] for m in members),
+            "deferred_share": statistics.median(m["deferred_share"] for m in members),
+            "loss_vs_delay_free": statistics.mean(m["loss_vs_delay_free"] for m in members),
+            "time_to_loss_vs_delay_free": None if any(t is None for t in times) else statistics.median(times),
+            "samples_duplicated": sum(m["samples_duplicated"] for m in members),
+        })
+    return table

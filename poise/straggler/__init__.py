@@ -1,0 +1,9 @@
+"""Straggler-tolerant aggregation: a shared deadline per step, nothing dropped.
+
+- ``plan.py``: the pure plan of a step (queues of micro-batches, the pool of deferred
+  samples, the deadline, the epoch's catch-up steps);
+- ``predict.py``: per-rank predictors of micro-batch time (median, EWMA, LSTM);
+- ``delays.py``: injected delays for tests and benchmarks;
+- ``stale.py``: the optional stale-gradient hook wrapper (biased, off by default);
+- ``steps.py``: the deadline step that :class:`poise.Session` runs.
+"""

@@ -1,0 +1,286 @@
+"""The deadline step: micro-batches until the shared deadline, an exact mean over what was computed.
+
+:class:`DeadlineRunner` holds one rank's straggler state across steps (its predictor, the
+agreed rates, the pool of deferred samples, the delays to inject) and runs the parts of a
+step that :class:`poise.Session`'s deadline step delegates to it:
+
+1. **Plan** (:meth:`plan_step`): every rank's queue (its part of the step's batch in
+   micro-batches, then its share of the pool) and the deadline, from the rates all ranks
+   agreed on at the end of the step before: no collective of its own.
+2. **Micro-batches** (:meth:`micro_batches`): before each, the rank checks it would end by
+   the deadline; the one after which the next would not fit is the last, reduced by DDP
+   during its backward (overlap kept). A rank that stops before reducing (or computed
+   nothing) enters the reduction with a zero backward through DDP, so every rank joins every
+   bucket's all-reduce and nobody hangs.
+3. **The count** (:meth:`begin_reduce` / :meth:`end_reduce`): right before the last
+   backward each rank starts one small asynchronous all-reduce of ``[loss terms computed,
+   micro-batches computed, predicted rate]`` per rank (3 × world numbers), issued before the
+   gradient buckets on every rank. When backward returns, the gradient (each rank's sum of
+   per-term gradients divided by the planned total) is rescaled by planned / computed
+   terms: the exact mean over the terms actually computed, whatever the codec or collective.
+   The same numbers give every rank the new pool and the next step's deadline.
+
+Why the median rank's predicted time sets the deadline, and the queues hold pooled work:
+a delayed rank's rest goes to the pool, and a rank that is ahead takes pooled work until
+the deadline, so the ranks that are not delayed keep computing instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from poise.config import StragglerConfig
+from poise.straggler.plan import Queues, build_queues, catch_up, deadline_s, pool_after
+from poise.straggler.predict import make_predictor
+from poise.straggler.stale import StaleStash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One rank's view of one deadline step (made by :meth:`DeadlineRunner.plan_step`)."""
+
+    index: int
+    queues: Queues
+    pool: np.ndarray  # the pool the queues' extra work came from
+    deadline_s: float | None  # seconds after the step's start; None: wait for everyone
+    reference: float  # planned loss terms over all ranks (the weights divide by it)
+    started_s: float = 0.0  # perf_counter() at the step's start
+    computed: int = 0  # micro-batches this rank computed
+    terms: float = 0.0  # loss terms this rank computed
+    last: bool = False  # the current micro-batch is this rank's last (its backward reduces)
+    reduced: bool = False  # the count all-reduce was started (the gradient reduction is under way)
+    settled: bool = False  # the reduction and the count are done
+    stale: bool = False  # this rank replays its previous gradient
+    k: np.ndarray = field(default_factory=lambda: np.zeros(0))  # every rank's computed micro-batches
+    total_terms: float = 0.0  # loss terms computed over all ranks
+    work: Any = None
+    vector: torch.Tensor | None = None
+    stall_s: float = 0.0  # delays injected on this rank in this step
+    current: np.ndarray | None = None  # the micro-batch handed out last
+    backwards: int = 0  # backward calls of the step (one per micro-batch)
+
+
+class DeadlineRunner:
+    """One rank's straggler-tolerant aggregation state (see module doc).
+
+    Args:
+        config: the straggler settings (mode, micro-batches, slack, predictor, delays).
+        rank, world_size: this rank, the number of ranks.
+        costs: per-sample cost (any unit: the rates are seconds per unit).
+        loss_terms: per-sample loss terms (None: one per sample).
+        device: where the count all-reduce's tensor lives (the process group's device).
+        seed: seeds the injected delays and the LSTM's initial weights.
+    """
+
+    def __init__(self, config: StragglerConfig, *, rank: int, world_size: int, costs: np.ndarray,
+                 loss_terms: np.ndarray | None, device: torch.device, seed: int = 0) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.costs = np.asarray(costs, dtype=np.float64)
+        self.loss_terms = loss_terms
+        self.device = device
+        self.delay = config.delay_model(seed)
+        self.predictor = make_predictor(config.predictor, seed=seed * 1000 + rank)
+        self.rates = np.full(world_size, math.nan)  # agreed at the end of each step: s per cost unit
+        self.pool = np.zeros(0, dtype=np.int64)
+        self.micro_samples = 0  # samples per planned micro-batch (the pool is handed out in such chunks)
+        self.stash = StaleStash(config.max_staleness) if config.mode == "deadline+stale" else None
+        self.micro_planned = 0  # micro-batches of the sampler's plans (this rank), for the report
+        self.micro_deferred = 0  # of those, not reached in their own step
+        self.stale_steps = 0
+        # every micro-batch's observed rate (s per cost unit, stalls included) and its compute
+        # alone: what the predictors are scored on (poise bench stragglers)
+        self.trace: list[tuple[float, float]] = []
+        self._wait_for_all = False  # the step before computed nothing anywhere: no deadline now
+        self._observed_steps = 0  # steps finished (the first one's micro-batches are not observed)
+
+    # -- plan ------------------------------------------------------------------------------
+
+    def terms_of(self, indices: np.ndarray) -> float:
+        return float(self.loss_terms[indices].sum()) if self.loss_terms is not None else float(len(indices))
+
+    def plan_step(self, index: int, batches: list[np.ndarray] | None) -> StepPlan:
+        """The step's queues and deadline. ``batches``: every rank's batch of the sampler's step;
+        None for a catch-up step (the epoch's plan is done, the pool is left)."""
+        m = self.config.micro_batches
+        pool = self.pool
+        if batches is None:
+            batches, pool = catch_up(self.pool, self.world_size, m, self.micro_samples)
+        elif self.micro_samples == 0:
+            self.micro_samples = max(1, int(np.ceil(np.median([len(b) for b in batches]) / m)))
+        queues = build_queues(batches, pool, m, self.micro_samples)
+        planned_costs = np.array([sum(self.costs[mb].sum() for mb in q[: queues.planned[r]])
+                                  for r, q in enumerate(queues.micro)])
+        waits = self._wait_for_all or not self.config.enabled
+        deadline = None if waits else deadline_s(self.rates, planned_costs, self.config.slack)
+        reference = sum(self.terms_of(b) for b in batches) or 1.0
+        return StepPlan(index=index, queues=queues, pool=pool, deadline_s=deadline, reference=reference)
+
+    # -- micro-batches ---------------------------------------------------------------------
+
+    def _predict_s(self, indices: np.ndarray) -> float:
+        rate = self.predictor.predict()
+        return 0.0 if rate is None else rate * float(self.costs[indices].sum())
+
+    def micro_batches(self, plan: StepPlan, load: Callable[[np.ndarray], Any],
+                      arm: Callable[[bool], None], zero_reduce: Callable[[], None]) -> Iterator[Any]:
+        """This rank's micro-batches of ``plan`` until the deadline, loaded by ``load(indices)``.
+
+        ``arm(last)`` is called before each is handed out (last: its backward reduces);
+        ``zero_reduce()`` joins the reduction when the rank stops without a reducing backward.
+        The caller runs one ``backward`` per micro-batch handed out.
+        """
+        queue = plan.queues.micro[self.rank]
+        planned = plan.queues.planned[self.rank]
+        mark = plan.started_s
+        stall = self.delay.before_step(self.rank, plan.index, self._predict_s(np.concatenate(queue[:planned]))
+                                       if planned and self.predictor.predict() is not None else None)
+        if stall:
+            time.sleep(stall)
+            plan.stall_s += stall
+        limit = plan.deadline_s
+        for j, indices in enumerate(queue):
+            elapsed = time.perf_counter() - plan.started_s
+            need = self._predict_s(indices)
+            if limit is not None and elapsed + need > limit:
+                break
+            nxt = queue[j + 1] if j + 1 < len(queue) else None
+            plan.last = nxt is None or (limit is not None and elapsed + need + self._predict_s(nxt) > limit)
+            arm(plan.last)
+            plan.current = indices
+            batch = load(indices)
+            began = time.perf_counter()
+            yield batch
+            if plan.backwards != plan.computed + 1:
+                raise ValueError(f"step {plan.index}: micro-batch {j} was handed out but no step.backward(loss) "
+                                 "ran for it: one backward per micro-batch")
+            compute_s = time.perf_counter() - began
+            stall = self.delay.after_micro(self.rank, plan.index, j, compute_s)
+            if stall:
+                time.sleep(stall)
+                plan.stall_s += stall
+            plan.computed += 1
+            plan.terms += self.terms_of(indices)
+            now = time.perf_counter()
+            cost = float(self.costs[indices].sum())
+            # Not observed: the last micro-batch (its backward waits for the reduction, hence for
+            # the other ranks) and the run's first step (first forward and backward, bucket set-up).
+            if cost > 0 and not plan.last and self._observed_steps:
+                self.predictor.update((now - mark) / cost)
+                self.trace.append(((now - mark) / cost, compute_s / cost))
+            mark = now
+            if plan.last:
+                break
+        plan.current = None
+        if not plan.reduced:
+            if self.stash is not None and plan.computed == 0 and self.stash.usable(plan.index):
+                plan.terms = self.stash.begin_replay(plan.reference)
+                plan.stale = True
+                self.stale_steps += 1
+            arm(True)
+            zero_reduce()
+        if not plan.reduced:
+            raise RuntimeError(f"step {plan.index}: the deadline step ended without its reduction")
+
+    # -- the count -------------------------------------------------------------------------
+
+    def begin_reduce(self, plan: StepPlan, micro: np.ndarray | None) -> None:
+        """Start the count all-reduce, right before the backward that reduces the gradient.
+        ``micro``: the micro-batch whose backward this is (None: the zero backward)."""
+        if plan.reduced:
+            raise RuntimeError(f"step {plan.index}: a second reducing backward in one deadline step")
+        w = self.world_size
+        vector = torch.zeros(3 * w, dtype=torch.float64, device=self.device)
+        own_rate = self.predictor.predict()
+        vector[self.rank] = plan.terms + (self.terms_of(micro) if micro is not None else 0.0)
+        vector[w + self.rank] = plan.computed + (micro is not None)
+        vector[2 * w + self.rank] = own_rate if own_rate is not None else 0.0
+        plan.vector, plan.reduced = vector, True
+        plan.work = dist.all_reduce(vector, async_op=True)
+
+    def end_reduce(self, plan: StepPlan, model: DistributedDataParallel) -> None:
+        """After the reducing backward: the exact mean over computed terms, and the agreed numbers."""
+        assert plan.work is not None and plan.vector is not None
+        plan.work.wait()
+        values = plan.vector.cpu().numpy()
+        w = self.world_size
+        plan.total_terms = float(values[:w].sum())
+        plan.k = np.rint(values[w:2 * w]).astype(np.int64)
+        rates = values[2 * w:]
+        self.rates = np.where(rates > 0, rates, math.nan)
+        plan.settled = True
+        if plan.total_terms > 0 and plan.total_terms != plan.reference:
+            scale = plan.reference / plan.total_terms
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    def finish_step(self, plan: StepPlan, sampler_step: bool) -> np.ndarray:
+        """Close ``plan``: the new pool (what nobody reached goes back), the stash; returns the
+        sample indices this rank trained in the step."""
+        queues = plan.queues
+        k = plan.k.copy()
+        # a stale rank's k is 0 everywhere: other ranks learnt it from its vector entry too
+        self.pool = pool_after(queues, plan.pool, k)
+        self._wait_for_all = plan.total_terms == 0
+        self._observed_steps += 1
+        if sampler_step:
+            planned = queues.planned[self.rank]
+            self.micro_planned += planned
+            self.micro_deferred += max(0, planned - int(k[self.rank]))
+        if self.stash is not None:
+            self.stash.kept(plan.index, plan.terms, plan.reference)
+        mine = queues.micro[self.rank][: int(k[self.rank])]
+        return np.concatenate(mine) if mine else np.zeros(0, dtype=np.int64)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What every rank shares: the pool, the agreed rates, the pool's chunk size."""
+        return {"pool": self.pool.tolist(), "rates": [None if math.isnan(r) else float(r) for r in self.rates],
+                "micro_samples": self.micro_samples}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pool = np.asarray(state.get("pool", []), dtype=np.int64)
+        if pool.ndim != 1 or (len(pool) and (pool.min() < 0 or pool.max() >= len(self.costs))):
+            raise ValueError(f"straggler state: the pool holds indices outside 0..{len(self.costs) - 1}")
+        self.pool = pool
+        self.micro_samples = int(state.get("micro_samples", 0))
+        rates = state.get("rates") or []
+        if len(rates) == self.world_size:
+            self.rates = np.array([math.nan if r is None else float(r) for r in rates])
+
+    def summary(self) -> dict[str, Any]:
+        """Figures for the report: micro-batches deferred, stale steps, the delay model."""
+        return {"mode": self.config.mode, "micro_batches": self.config.micro_batches, "slack": self.config.slack,
+                "predictor": self.config.predictor, "delay": self.delay.describe(),
+                "micro_planned": self.micro_planned, "micro_deferred": self.micro_deferred,
+                "stale_steps": self.stale_steps, "pool_left": len(self.pool),
+                "trace": [[round(a, 9), round(b, 9)] for a, b in self.trace]}
+
+
+def zero_backward(model: DistributedDataParallel) -> None:
+    """Join DDP's gradient reduction without a forward pass: a zero loss that reaches every
+    trainable parameter, run through DDP's forward bookkeeping (``_pre_forward`` /
+    ``_post_forward``, which arm the reducer as a forward would; torch has no public call for
+    this), so each bucket is handed to the comm hook with this rank's accumulated gradient
+    (zeros if it computed nothing) and every rank joins every all-reduce."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    model._pre_forward()
+    zero = torch.stack([p.reshape(-1)[0] for p in params]).sum() * 0.0
+    zero = model._post_forward(zero)
+    zero.backward()
+
+
+__all__ = ["DeadlineRunner", "StepPlan", "zero_backward"]

@@ -1,0 +1,117 @@
+"""The deadline plan's pure parts: nothing dropped or trained twice, whatever each rank
+reaches; the deadline; delays and predictors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poise.config import StragglerConfig
+from poise.straggler.delays import DelayModel
+from poise.straggler.plan import build_queues, catch_up, deadline_s, pool_after, split_micro
+from poise.straggler.predict import evaluate, make_predictor
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(1, 4), steps=st.integers(1, 12), micro=st.integers(1, 5), per_rank=st.integers(1, 9),
+       seed=st.integers(0, 10_000))
+def test_every_sample_of_the_epoch_is_trained_exactly_once(world, steps, micro, per_rank, seed):
+    """Random reach per rank per step (0 = computed nothing), then catch-up steps until the
+    pool is empty: the trained samples are the epoch's, each once."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(world * steps * per_rank)
+    plan = [[order[(s * world + r) * per_rank:(s * world + r + 1) * per_rank] for r in range(world)]
+            for s in range(steps)]
+    pool = np.zeros(0, dtype=np.int64)
+    micro_samples = max(1, math.ceil(per_rank / micro))
+    trained: list[int] = []
+    for batches in plan:
+        queues = build_queues(batches, pool, micro, micro_samples)
+        k = np.array([rng.integers(0, len(q) + 1) for q in queues.micro])
+        trained += queues.computed(k).tolist()
+        pool = pool_after(queues, pool, k)
+    rounds = 0
+    while len(pool):
+        batches, rest = catch_up(pool, world, micro, micro_samples)
+        queues = build_queues(batches, rest, micro, micro_samples)
+        # at least one rank reaches something in a catch-up step (no deadline after an empty step)
+        k = np.array([rng.integers(0, len(q) + 1) for q in queues.micro])
+        if not k.any():
+            k[int(np.argmax([len(q) for q in queues.micro]))] = 1
+        trained += queues.computed(k).tolist()
+        pool = pool_after(queues, rest, k)
+        rounds += 1
+        assert rounds < 10_000
+    assert sorted(trained) == sorted(order.tolist())
+
+
+def test_micro_batches_split_a_batch_in_order():
+    parts = split_micro(np.arange(10), 4)
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert len(split_micro(np.arange(2), 4)) == 2 and split_micro(np.zeros(0, dtype=np.int64), 4) == []
+
+
+def test_the_pool_goes_out_round_robin_after_the_planned_work():
+    queues = build_queues([np.arange(4), np.arange(4, 8)], np.arange(100, 105), 2, 2)
+    assert queues.planned == [2, 2]
+    assert [m.tolist() for m in queues.micro[0]] == [[0, 1], [2, 3], [100, 101], [104]]
+    assert [m.tolist() for m in queues.micro[1]] == [[4, 5], [6, 7], [102, 103]]
+    # rank 0 did its plan and one pooled chunk, rank 1 one micro-batch: 6, 7 go back, after the old pool
+    assert pool_after(queues, np.arange(100, 105), np.array([3, 1])).tolist() == [102, 103, 104, 6, 7]
+
+
+def test_the_deadline_follows_the_median_rank_not_the_slowest():
+    rates = np.array([1.0, 1.0, 4.0])
+    assert deadline_s(rates, np.array([2.0, 2.0, 2.0]), 0.1) == pytest.approx(2.2)
+    assert deadline_s(np.array([1.0, math.nan]), np.array([1.0, 1.0]), 0.1) is None  # a rank has no prediction
+    assert deadline_s(np.array([1.0, math.nan]), np.array([1.0, 0.0]), 0.1) == pytest.approx(1.1)  # idle rank
+
+
+def test_delay_models_have_the_mean_they_say():
+    for text in ("bernoulli:p=0.2,x=1,per=micro", "lognormal:mean=0.2,sigma=1", "pareto:mean=0.2,alpha=2.5",
+                 "slow:rank=0,x=0.2"):
+        model = DelayModel.parse(text, seed=3)
+        draws = [model.after_micro(0, s, m, 1.0) for s in range(400) for m in range(50)]
+        assert np.mean(draws) == pytest.approx(0.2, rel=0.15), text
+        assert model.mean_inflation() == pytest.approx(0.2)
+    step = DelayModel.parse("bernoulli:p=0.2,x=1", seed=1)
+    hits = [step.before_step(r, s, 2.0) for r in range(4) for s in range(2000)]
+    assert np.mean(hits) == pytest.approx(0.4, rel=0.1) and set(hits) == {0.0, 2.0}
+    assert step.before_step(0, 0, None) == 0.0  # no prediction yet: no stall
+    assert DelayModel.parse("").enabled is False
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("gamma:k=1", "straggler.delay model 'gamma' is unknown: allowed are bernoulli, lognormal, pareto, slow "
+                    "(e.g. 'bernoulli:p=0.2,x=1')"),
+    ("bernoulli:q=1", "straggler.delay 'bernoulli:q=1': 'q=1' is not one of p=, x=, per="),
+    ("bernoulli:p=2", "straggler.delay 'bernoulli:p=2': p must be in [0, 1] and x in [0, 100]"),
+    ("pareto:alpha=1", "straggler.delay 'pareto:alpha=1': alpha must be in (1, 100] (a finite mean)"),
+    ("lognormal:mean=x", "straggler.delay 'lognormal:mean=x': mean='x' is not a number"),
+])
+def test_bad_delay_models_get_one_line(text, message):
+    with pytest.raises(ValueError) as err:
+        StragglerConfig(delay=text)
+    assert str(err.value) == message
+
+
+def test_bad_straggler_settings_get_one_line():
+    with pytest.raises(ValueError, match=r"straggler.mode='sometimes' is unknown: allowed are off, deadline, "):
+        StragglerConfig(mode="sometimes")
+    with pytest.raises(ValueError, match=r"straggler.slack=nan"):
+        StragglerConfig(slack=float("nan"))
+
+
+@pytest.mark.parametrize("name", ["quantile", "ewma", "lstm"])
+def test_predictors_find_the_typical_rate_under_stalls(name):
+    rng = np.random.default_rng(0)
+    typical = 1.0 + 0.05 * rng.standard_normal(300)
+    stalls = np.where(rng.random(300) < 0.2, 1.0, 0.0)
+    score = evaluate((typical * (1 + stalls)).tolist(), name, typical=typical.tolist())
+    assert score["mdape_typical"] < (0.1 if name != "ewma" else 0.3)
+    with pytest.raises(ValueError, match=r"straggler.predictor='arima' is unknown"):
+        make_predictor("arima")

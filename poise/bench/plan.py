@@ -9,13 +9,17 @@
    thread), ``poise diagnose busbw`` of the backend all-reduce at three sizes on two local
    workers (the link inside a node), and before each scenario's jobs, a single-worker run of
    the model, the cluster's number of workers run locally (its nodes share this machine's
-   cores: their slow-down per phase, communication waits left out) and the same busbw on the
-   cluster (its node links). Every job of the matrix (links × clusters × codecs × collectives) is predicted
-   from those alone, then run as a real ``poise train --cluster`` job; its measured step is
-   the median over steps after ``--warmup-steps`` of the slowest rank's step. Rows go to
+   cores: their slow-down per phase; their all-reduce, whose gradient bytes over its busy
+   seconds cap every link of the cluster; and the wait per step of time-sliced workers, its
+   step less its compute phases, under which the collectives' own host seconds hide) and the
+   same busbw on the cluster (its node links). Every job of the matrix (links × clusters ×
+   codecs × collectives) is predicted from those alone, then run as a real ``poise train
+   --cluster`` job; its measured step is the median over steps after ``--warmup-steps`` of
+   the slowest rank's step. Rows go to
    ``plan-validation.json`` as they come (``predicted_s``, ``measured_s``, ``error`` =
    predicted / measured − 1), so an interrupted run keeps what it measured; ``--from DIR``
-   predicts again from a finished run's calibration and compares with its measurements.
+   predicts again from a finished run's calibration and compares with its measurements
+   (it runs no job: everything above comes from the run's calibration block).
 """
 
 from __future__ import annotations
@@ -224,21 +228,35 @@ def measured_step_s(run_dir: Path, warmup_steps: int) -> float:
 
 def predict_row(calibration: dict[str, Any], link: str, nodes: int, procs: int, codec: str, collective: str,
                 params: list[Any]) -> dict[str, Any]:
-    """Predicted step of one job of the matrix from the calibration alone."""
+    """Predicted step of one job of the matrix from the calibration alone.
+
+    The emulated cluster's nodes share this machine's cores, so the scenario's local run of
+    its workers (``compute[key]["shared"]``) gives three things: the slow-down of each compute
+    phase, the machine's own all-reduce among that many workers (``calibrate.host_link``: a cap
+    on every link, node links and links inside a node alike) and the wait per step of workers
+    time-sliced on the cores (``calibrate.sharing_s``), under which the machine's own
+    reduction hides (``predict_step``'s ``host``).
+    """
+    from dataclasses import replace
+
     inter = calibrate.fit_ring_link(calibrate.busbw_points(calibration["busbw"][f"{link}-{nodes}x{procs}"]),
                                     nodes * procs)
     intra = calibrate.fit_ring_link(calibrate.busbw_points(calibration["busbw"]["local-2"]), 2)
-    # one node's link as the ring sees it: a ring of n ranks over the nodes is limited by it
-    cluster = Cluster(nodes, procs, intra, inter)
     scenario = calibration["compute"][f"{link}-{nodes}x{procs}"]
+    host = calibrate.host_link(scenario["shared"])
     compute, _ = calibrate.shared_compute(scenario["single"], scenario["shared"])
+    compute = replace(compute, sharing_s=calibrate.sharing_s(scenario["shared"], compute))
+    # one node's link as the ring sees it: a ring of n ranks over the nodes is limited by it
+    cluster = Cluster(nodes, procs, calibrate.capped(intra, host), calibrate.capped(inter, host))
     speeds = calibrate.codec_speeds(calibration["codec_speeds"][str(nodes * procs)])
     leader_speeds = calibrate.codec_speeds(calibration["codec_speeds"][str(nodes)])
     pred = predict_step(cluster, params, compute, StepConfig(codec, collective, 25.0, CODEC_OPTIONS[codec]), speeds,
-                        leader_speeds=leader_speeds)
+                        leader_speeds=leader_speeds, host=Cluster(nodes, procs, host, host))
     return {"predicted_s": pred.step_s, "predicted_comm_s": pred.comm_s, "predicted_exposed_s": pred.exposed_comm_s,
-            "predicted_codec_s": pred.codec_s, "inter_latency_s": inter.latency_s,
-            "inter_bandwidth_bytes_per_s": inter.bandwidth_bytes_per_s}
+            "predicted_codec_s": pred.codec_s, "predicted_sharing_s": pred.sharing_s,
+            "sharing_wait_s": compute.sharing_s, "inter_latency_s": inter.latency_s,
+            "inter_bandwidth_bytes_per_s": inter.bandwidth_bytes_per_s,
+            "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s}
 
 
 def matrix(links: list[str], clusters: list[tuple[int, int]], codecs: list[str],

@@ -112,6 +112,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     else:
         intra = inter
     cluster = Cluster(args.nodes, args.procs_per_node, intra, inter)
+    sources["core sharing"] = ("assumed: none (every worker on its own cores; poise bench plan measures it on "
+                               "the emulated cluster)")
 
     profile = None
     if args.profile:

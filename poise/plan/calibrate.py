@@ -130,6 +130,44 @@ def shared_compute(single: dict[str, Any], shared: dict[str, Any]) -> tuple[Comp
     return compute, factors
 
 
+def host_link(shared: dict[str, Any]) -> Link:
+    """The machine's own all-reduce among the workers of ``shared`` (a run of the emulated
+    cluster's number of workers on this machine, no shaped links), as a ring link.
+
+    The run's gradient bytes (``comm_raw_bytes_per_step``) and the seconds a bucket was in
+    flight (``comm_busy_s_per_step``) give one size, so ``α = 0`` and
+    ``1/β = 2(n-1)/n raw / busy``: what copying and reducing through gloo costs when the
+    workers share the machine's cores while the others compute. On the emulated cluster no
+    collective is faster than this, whatever its link (see :func:`capped`).
+
+    Raises:
+        ValueError: the run has a single worker or no measured communication.
+    """
+    n = int(shared["world_size"])
+    raw, busy = float(shared.get("comm_raw_bytes_per_step") or 0.0), float(shared.get("comm_busy_s_per_step") or 0.0)
+    if n < 2 or not raw > 0 or not busy > 0:
+        raise ValueError(f"a host link needs a run of >= 2 workers with communication, got {n} workers, "
+                         f"{raw:g} bytes in {busy:g} s per step")
+    return Link(0.0, 2 * (n - 1) / n * raw / busy)
+
+
+def capped(link: Link, host: Link) -> Link:
+    """``link`` no faster than ``host``: the larger latency and the smaller bandwidth."""
+    return Link(max(link.latency_s, host.latency_s), min(link.bandwidth_bytes_per_s, host.bandwidth_bytes_per_s))
+
+
+def sharing_s(shared: dict[str, Any], compute: Compute) -> float:
+    """The wait per step of workers sharing the machine's cores (``Compute.sharing_s``): the
+    measured step of ``shared`` (its ``median_step_s``: the median over steps of the slowest
+    rank's, as the validation measures a job) less its compute phases (``compute``, from the
+    same run: ``shared_compute``). Never negative.
+
+    With more workers than cores the workers are time-sliced: they reach each collective at
+    different times, the first waits for the last and the slowest sets the step. The local
+    run has no shaped link, so this is everything its collectives and that skew cost."""
+    return max(0.0, float(shared["median_step_s"]) - compute.step_phases_s)
+
+
 def compute_from_profile(profile: dict[str, Any], *, micro_batches: int = 1, optimizer_s: float = 0.0) -> Compute:
     """Compute from a layer profile (``LayerProfile.as_dict()``, e.g. ``poise pipeline``'s
     report.json ``profile``): forward and backward summed over layers, times ``micro_batches``."""

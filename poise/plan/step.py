@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from poise.plan.costs import Cluster, all_gather_s, all_reduce_s, hierarchical_phases_s, resolve
@@ -93,6 +93,11 @@ class Compute:
             where every node shares one machine's cores, the slow-down of sharing them).
         alone_step_s: one worker training alone (the scaling baseline); None: the sum of
             the four phases.
+        sharing_s: the wait per step of workers that share one machine's cores (the
+            emulated cluster): time-sliced, they reach each collective at different times
+            and the slowest sets the step; the machine's own reduction work hides under it
+            (see :func:`predict_step`). Measured by ``calibrate.sharing_s``; 0 on a real
+            cluster, where each worker has its own cores.
         source: where the figures come from (shown as measured or assumed).
     """
 
@@ -102,6 +107,7 @@ class Compute:
     data_s: float = 0.0
     codec_scale: float = 1.0
     alone_step_s: float | None = None
+    sharing_s: float = 0.0
     source: str = "assumed"
 
     @property
@@ -109,6 +115,11 @@ class Compute:
         """One worker alone: ``alone_step_s``, or data + forward + backward + optimizer."""
         if self.alone_step_s is not None:
             return self.alone_step_s
+        return self.step_phases_s
+
+    @property
+    def step_phases_s(self) -> float:
+        """data + forward + backward + optimizer, as this worker runs them."""
         return self.data_s + self.forward_s + self.backward_s + self.optimizer_s
 
 
@@ -133,7 +144,8 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """Seconds and bytes of one predicted step (one rank)."""
+    """Seconds and bytes of one predicted step (one rank); ``sharing_s``: the part of
+    ``step_s`` (and of ``exposed_comm_s``) that the compute's ``sharing_s`` adds."""
 
     step_s: float
     compute_s: float
@@ -143,6 +155,7 @@ class StepPrediction:
     wire_bytes: float
     inter_node_bytes: float
     num_buckets: int
+    sharing_s: float = 0.0
 
 
 def _codec(name: str, options: dict[str, Any]) -> Codec:
@@ -190,7 +203,7 @@ def _link_bytes(cluster: Cluster, rounds: list[float], gathered: bool, collectiv
 
 def predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, config: StepConfig,
                  speeds: dict[str, CodecSpeed] | None = None, *, leader_speeds: dict[str, CodecSpeed] | None = None,
-                 segment_bytes: float = 1 << 20) -> StepPrediction:
+                 segment_bytes: float = 1 << 20, host: Cluster | None = None) -> StepPrediction:
     """Seconds of one step of ``config`` on ``cluster`` (see the module docstring).
 
     Args:
@@ -200,7 +213,28 @@ def predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, co
             decoding ``world_size`` payloads; ``leader_speeds``: the same for the node leaders
             of a hierarchical reduction, decoding ``num_nodes`` (None: ``speeds``).
         segment_bytes: hierarchical pipeline segment, bytes.
+        host: with ``compute.sharing_s`` (workers sharing one machine's cores), the same
+            ranks with the machine's own links alone (``calibrate.host_link``). The step
+            then waits ``max(sharing_s, h) + (e - h)`` after backward instead of ``e``:
+            ``e`` the exposed seconds on ``cluster``, ``h`` those of the config's collectives
+            on ``host`` (no codec seconds), which the sharing wait hides; what the links and
+            the codecs add beyond the machine comes on top. None: ``h = 0``.
     """
+    pred = _predict_step(cluster, params, compute, config, speeds, leader_speeds, segment_bytes)
+    floor = compute.sharing_s
+    if not floor > 0 or cluster.world_size == 1:
+        return pred
+    hidden = 0.0
+    if host is not None:
+        hidden = _predict_step(host, params, compute, config, None, None, segment_bytes).exposed_comm_s
+    exposed = max(floor, hidden) + max(0.0, pred.exposed_comm_s - hidden)
+    added = exposed - pred.exposed_comm_s
+    return replace(pred, step_s=pred.step_s + added, exposed_comm_s=exposed, sharing_s=added)
+
+
+def _predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, config: StepConfig,
+                  speeds: dict[str, CodecSpeed] | None, leader_speeds: dict[str, CodecSpeed] | None,
+                  segment_bytes: float) -> StepPrediction:
     from poise.comm.codecs.lowrank import PowerSGDCodec
 
     codec = _codec(config.codec, config.options)

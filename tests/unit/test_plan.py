@@ -188,3 +188,36 @@ def test_calibration_from_reports() -> None:
     assert compute.step_s == pytest.approx(0.036)
     assert compute.codec_scale == pytest.approx(2.5)
     assert math.isclose(calibrate.compute_from_profile({"time_s": [3.0, 6.0], "forward_s": [1.0, 2.0]}).backward_s, 6.0)
+
+
+def test_core_sharing_from_a_local_run() -> None:
+    # a local run of 4 workers: 12 MB of gradient in flight 0.03 s per step, step 0.1 s, phases 0.04 s
+    rank = {"median_forward_s": 0.01, "median_backward_s": 0.02, "median_optim_s": 0.009, "median_data_s": 0.001}
+    shared = {"world_size": 4, "steps": 10, "per_rank": [rank] * 4, "median_step_s": 0.1,
+              "comm_raw_bytes_per_step": 12e6, "comm_busy_s_per_step": 0.03}
+    host = calibrate.host_link(shared)
+    assert host.bandwidth_bytes_per_s == pytest.approx(1.5 * 12e6 / 0.03) and host.latency_s == 0.0
+    assert calibrate.capped(Link(1e-5, 1e9), host) == Link(1e-5, host.bandwidth_bytes_per_s)
+    compute = calibrate.compute_from_report(shared)
+    assert calibrate.sharing_s(shared, compute) == pytest.approx(0.06)
+    with pytest.raises(ValueError):
+        calibrate.host_link({**shared, "comm_busy_s_per_step": 0.0})
+
+    from dataclasses import replace
+
+    params = [Param("a", (1000, 1000)), Param("b", (1000, 1000))]
+    waiting = replace(COMPUTE, sharing_s=0.5)
+    on_host = Cluster(2, 2, Link(0.0, 1e12), Link(0.0, 1e12))
+    fast = predict_step(C22, params, waiting, StepConfig("none", "flat", 25.0), host=on_host)
+    # the machine's own reduction hides under the wait; the links' seconds (ring of 4 MB) come on top
+    assert fast.step_s == pytest.approx(0.35 + 0.5 + 6.06e-3, rel=1e-3)
+    hidden = predict_step(C22, params, waiting, StepConfig("none", "flat", 25.0), host=C22)
+    assert hidden.step_s == pytest.approx(0.35 + 0.5)  # all of it on the machine: the wait alone
+    slow_link = Cluster(2, 2, INTRA, Link(0.0, 4e6 * 1.5 / 1.0))  # 1 s per 4 MB bucket
+    alone = predict_step(slow_link, params, COMPUTE, StepConfig("none", "flat", 25.0))
+    slow = predict_step(slow_link, params, waiting, StepConfig("none", "flat", 25.0), host=on_host)
+    # the link's seconds beyond the machine's come on top of the wait
+    assert slow.step_s == pytest.approx(alone.step_s + 0.5, rel=1e-3)
+    assert slow.sharing_s == pytest.approx(0.5, rel=1e-3)
+    # a real cluster: no sharing, the same prediction
+    assert predict_step(slow_link, params, COMPUTE, StepConfig("none", "flat", 25.0), host=on_host) == alone

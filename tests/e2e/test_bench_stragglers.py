@@ -1,0 +1,44 @@
+"""CI's slice of ``poise bench stragglers`` (issue 14): one delay model, plain DDP and
+deadline steps on 2 workers, and an epoch of digits with every sample trained once; and the
+training CLI's one-line refusals for straggler settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_poise
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(300)
+def test_bench_stragglers_slice_writes_its_rows(tmp_path):
+    proc = run_poise("bench", "stragglers", "--worlds", "2", "--models", "bernoulli", "--modes", "ddp,deadline",
+                     "--seeds", "1", "--steps", "8", "--out", str(tmp_path), timeout_s=290)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    data = json.loads((tmp_path / "stragglers.json").read_text())
+    runs = {r["run"]: r for r in data["runs"]}
+    assert set(runs) == {"w2-delay-free-s0", "w2-bernoulli-ddp-s0", "w2-bernoulli-deadline-s0"}
+    for row in runs.values():
+        assert {"run", "world_size", "delay_model", "throughput_vs_delay_free", "loss_vs_delay_free",
+                "p99_step_s"} <= set(row)
+        assert row["samples_duplicated"] == 0
+        assert row["throughput_vs_delay_free"] > 0
+    assert runs["w2-delay-free-s0"]["throughput_vs_delay_free"] == 1.0
+    (check,) = data["epoch_checks"]
+    assert check["trained"] == check["distinct"] > 1000 and check["samples_duplicated"] == 0
+    assert {p["delay_model"] for p in data["predictors"]} == {"bernoulli"}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--straggler", "sometimes"], "straggler.mode='sometimes' is unknown: allowed are off, deadline, deadline+stale"),
+    (["--delay", "bernoulli:p=3"], "straggler.delay 'bernoulli:p=3': p must be in [0, 1] and x in [0, 100]"),
+    (["--straggler", "deadline", "--train.accum_steps", "2"], "accum_steps=2 with straggler.mode='deadline'"),
+])
+def test_bad_straggler_settings_are_one_line(tmp_path, flags, message):
+    proc = run_poise("train", "--task", "digits", "--steps", "2", "--nproc", "1", *flags, "--out", str(tmp_path / "o"),
+                     timeout_s=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr.strip().splitlines()[-1]

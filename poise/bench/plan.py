@@ -11,7 +11,8 @@
    the model, the cluster's number of workers run locally (its nodes share this machine's
    cores: their slow-down per phase; their all-reduce, whose gradient bytes over its busy
    seconds cap every link of the cluster; and the wait per step of time-sliced workers, its
-   step less its compute phases, under which the collectives' own host seconds hide) and the
+   step less its compute phases, under which the collectives' own host seconds hide, and with
+   the flat collectives each rank's codec seconds) and the
    same busbw on the cluster (its node links). Every job of the matrix (links × clusters ×
    codecs × collectives) is predicted from those alone, then run as a real ``poise train
    --cluster`` job; its measured step is the median over steps after ``--warmup-steps`` of
@@ -235,7 +236,8 @@ def predict_row(calibration: dict[str, Any], link: str, nodes: int, procs: int, 
     phase, the machine's own all-reduce among that many workers (``calibrate.host_link``: a cap
     on every link, node links and links inside a node alike) and the wait per step of workers
     time-sliced on the cores (``calibrate.sharing_s``), under which the machine's own
-    reduction hides (``predict_step``'s ``host``).
+    reduction hides (``predict_step``'s ``host``), and with the flat collectives each rank's
+    codec seconds (``step.hidden_by_sharing_s``).
     """
     from dataclasses import replace
 

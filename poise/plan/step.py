@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from poise.plan.costs import Cluster, all_gather_s, all_reduce_s, hierarchical_phases_s, resolve
+from poise.plan.costs import Cluster, Link, all_gather_s, all_reduce_s, hierarchical_phases_s, resolve
 
 if TYPE_CHECKING:
     from poise.comm.codecs import Codec
@@ -95,8 +95,9 @@ class Compute:
             the four phases.
         sharing_s: the wait per step of workers that share one machine's cores (the
             emulated cluster): time-sliced, they reach each collective at different times
-            and the slowest sets the step; the machine's own reduction work hides under it
-            (see :func:`predict_step`). Measured by ``calibrate.sharing_s``; 0 on a real
+            and the slowest sets the step; the machine's own reduction work, and with the
+            flat collectives each rank's codec work, hide under it (see
+            :func:`hidden_by_sharing_s`). Measured by ``calibrate.sharing_s``; 0 on a real
             cluster, where each worker has its own cores.
         source: where the figures come from (shown as measured or assumed).
     """
@@ -216,20 +217,43 @@ def predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, co
         host: with ``compute.sharing_s`` (workers sharing one machine's cores), the same
             ranks with the machine's own links alone (``calibrate.host_link``). The step
             then waits ``max(sharing_s, h) + (e - h)`` after backward instead of ``e``:
-            ``e`` the exposed seconds on ``cluster``, ``h`` those of the config's collectives
-            on ``host`` (no codec seconds), which the sharing wait hides; what the links and
-            the codecs add beyond the machine comes on top. None: ``h = 0``.
+            ``e`` the exposed seconds on ``cluster``, ``h`` the machine's own work for the
+            config, which the sharing wait hides (see :func:`hidden_by_sharing_s`); what
+            the links and the codecs add beyond it comes on top. None: ``h`` without the
+            collectives' seconds.
     """
     pred = _predict_step(cluster, params, compute, config, speeds, leader_speeds, segment_bytes)
     floor = compute.sharing_s
     if not floor > 0 or cluster.world_size == 1:
         return pred
-    hidden = 0.0
-    if host is not None:
-        hidden = _predict_step(host, params, compute, config, None, None, segment_bytes).exposed_comm_s
+    hidden = hidden_by_sharing_s(cluster, params, compute, config, speeds, host=host, segment_bytes=segment_bytes)
     exposed = max(floor, hidden) + max(0.0, pred.exposed_comm_s - hidden)
     added = exposed - pred.exposed_comm_s
     return replace(pred, step_s=pred.step_s + added, exposed_comm_s=exposed, sharing_s=added)
+
+
+def hidden_by_sharing_s(cluster: Cluster, params: Sequence[Param], compute: Compute, config: StepConfig,
+                        speeds: dict[str, CodecSpeed] | None = None, *, host: Cluster | None = None,
+                        segment_bytes: float = 1 << 20) -> float:
+    """Seconds per step of the machine's own work that the sharing wait (``compute.sharing_s``)
+    hides: the exposed seconds of ``config`` on ``host`` (None: links that take no time).
+
+    Workers time-sliced on shared cores reach each collective at different times; the
+    first to arrive waits for the slowest. What a rank does on its own cores in that time
+    costs the step nothing beyond the wait: the collectives' copies and reductions on the
+    machine, and, with the flat collectives (and PowerSGD, which always reduces flat),
+    each rank's codec encode and decode, done by every rank for itself in its hook and
+    after its collective, so that a rank's codec seconds fill its own wait for the others.
+    With the hierarchical collective the codec seconds are not hidden: the node leaders
+    encode, reduce between leaders and decode one after the other on the communication
+    thread after the node reduce, which every rank of the node waits for, so that work
+    comes after the slowest rank has arrived. Codec seconds are ``speeds`` (per rank, as
+    :func:`predict_step` takes them), so the same calibration as the prediction."""
+    hierarchical = resolve(config.collective, cluster, 1 << 30) == "hierarchical" and cluster.num_nodes > 1
+    own = None if hierarchical else speeds
+    machine = host if host is not None else Cluster(cluster.num_nodes, cluster.procs_per_node,
+                                                     Link(0.0, math.inf), Link(0.0, math.inf))
+    return _predict_step(machine, params, compute, config, own, None, segment_bytes).exposed_comm_s
 
 
 def _predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, config: StepConfig,

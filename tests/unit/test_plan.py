@@ -221,3 +221,31 @@ def test_core_sharing_from_a_local_run() -> None:
     assert slow.sharing_s == pytest.approx(0.5, rel=1e-3)
     # a real cluster: no sharing, the same prediction
     assert predict_step(slow_link, params, COMPUTE, StepConfig("none", "flat", 25.0), host=on_host) == alone
+
+
+def test_flat_codec_seconds_hide_under_the_sharing_wait() -> None:
+    """With the flat collective each rank encodes and decodes for itself while the others
+    catch up, so its codec seconds hide under the sharing wait; with hierarchical the
+    leaders' codec work follows the node reduce and comes on top. No sharing: unchanged."""
+    from dataclasses import replace
+
+    from poise.plan.step import CodecSpeed, hidden_by_sharing_s
+
+    params = [Param("a", (1000, 1000)), Param("b", (1000, 1000))]
+    speeds = {"sign": CodecSpeed(5e-9, 5e-9)}  # 0.02 s encode and 0.02 s decode per 4 MB bucket
+    on_host = Cluster(2, 2, Link(0.0, 1e12), Link(0.0, 1e12))
+    waiting = replace(COMPUTE, sharing_s=0.5)
+    flat, hier = StepConfig("sign", "flat", 25.0), StepConfig("sign", "hierarchical", 25.0)
+    # exposed on the machine: both encodes (in the hooks) and the last decode; the first
+    # bucket's decode runs while backward computes
+    assert hidden_by_sharing_s(C22, params, waiting, flat, speeds, host=on_host) == pytest.approx(0.06, rel=1e-3)
+    assert hidden_by_sharing_s(C22, params, waiting, hier, speeds, host=on_host) < 1e-3
+    alone = predict_step(C22, params, COMPUTE, flat, speeds)
+    shared = predict_step(C22, params, waiting, flat, speeds, host=on_host)
+    # the wait covers the codec's exposed 0.06 s: only what the links add comes on top
+    assert shared.step_s == pytest.approx(alone.step_s + 0.5 - 0.06, rel=1e-3)
+    hier_alone = predict_step(C22, params, COMPUTE, hier, speeds)
+    hier_shared = predict_step(C22, params, waiting, hier, speeds, host=on_host)
+    assert hier_shared.step_s == pytest.approx(hier_alone.step_s + 0.5, rel=1e-2)
+    # a real cluster (no sharing wait): the same prediction whatever host is given
+    assert predict_step(C22, params, COMPUTE, flat, speeds, host=on_host) == alone

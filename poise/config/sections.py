@@ -600,6 +600,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self._check_world()
+        if (self.straggler.enabled or self.straggler.delay) and self.train.accum_steps != 1:
+            raise ValueError(f"train.accum_steps={self.train.accum_steps} with straggler.mode={self.straggler.mode!r} "
+                             "(or straggler.delay): a deadline step accumulates its own micro-batches "
+                             "(straggler.micro_batches); use accum_steps=1")
         if self.train.batch_tokens is not None and self.task.name != "code-lm":
             raise ValueError(
                 f"train.batch_tokens={self.train.batch_tokens} only applies to task code-lm, "

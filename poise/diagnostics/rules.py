@@ -262,7 +262,8 @@ def nonfinite_steps(run: RunData) -> Finding:
     """Optimizer steps skipped for non-finite gradients, and non-finite training losses."""
     skipped = int(column(run.table, "skipped").max(axis=0).sum())
     loss = column(run.table, "loss")
-    nan_loss = int((~np.isfinite(loss)).any(axis=0).sum())
+    trained = column(run.table, "samples") > 0  # under a deadline, a rank that trained nothing has no loss
+    nan_loss = int((~np.isfinite(loss) & trained).any(axis=0).sum())
     steps = run.table.shape[1]
     share = skipped / steps
     verdict = "problem" if share >= NONFINITE_PROBLEM else "warn" if skipped or nan_loss else "ok"

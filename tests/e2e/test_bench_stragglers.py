@@ -35,7 +35,7 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
 @pytest.mark.parametrize(("flags", "message"), [
     (["--straggler", "sometimes"], "straggler.mode='sometimes' is unknown: allowed are off, deadline, deadline+stale"),
     (["--delay", "bernoulli:p=3"], "straggler.delay 'bernoulli:p=3': p must be in [0, 1] and x in [0, 100]"),
-    (["--straggler", "deadline", "--train.accum_steps", "2"], "accum_steps=2 with straggler.mode='deadline'"),
+    (["--straggler", "deadline", "--train.accum_steps", "2"], "train.accum_steps=2 with straggler.mode='deadline'"),
 ])
 def test_bad_straggler_settings_are_one_line(tmp_path, flags, message):
     proc = run_poise("train", "--task", "digits", "--steps", "2", "--nproc", "1", *flags, "--out", str(tmp_path / "o"),

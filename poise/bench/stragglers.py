@@ -63,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per step")
     parser.add_argument("--no-epoch-check", action="store_true", help="skip the digits epochs")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per run, seconds")
+    parser.add_argument("--from", dest="from_dir", default="",
+                        help="recompute the tables from a finished run's directory (no jobs)")
     parser.add_argument("--out", default="", help="output directory (default runs/bench-stragglers-<timestamp>)")
     parser.add_argument("train_args", nargs="*", help="extra 'poise train' flags for every run, after --")
 
@@ -86,13 +88,23 @@ def duplicates_per_epoch(out: Path) -> tuple[int, dict[int, list[int]]]:
     return sum(len(v) - len(set(v)) for v in epochs.values()), epochs
 
 
-def time_to_loss(report: dict[str, Any], target: float, window: int = 10) -> float | None:
+SMOOTH_STEPS = 10  # training loss is compared as a running mean over this many steps
+
+
+def smoothed_loss_at(report: dict[str, Any], tokens: float, window: int = SMOOTH_STEPS) -> float:
+    """The running mean (``window`` steps) of the training loss at the last step within ``tokens``."""
+    curve = np.asarray(report["loss_curve"])
+    last = max(int(np.searchsorted(curve[:, 0], tokens, side="right")), 1)
+    return float(curve[max(0, last - window):last, 1].mean())
+
+
+def time_to_loss(report: dict[str, Any], target: float, window: int = SMOOTH_STEPS) -> float | None:
     """Seconds of training steps until the running mean (``window`` steps) of the training
     loss first reaches ``target``; None: never."""
     losses = np.array([v for _, v in report["loss_curve"]])
     times = np.cumsum(report["step_s_per_step"])
     for s in range(window, len(losses) + 1):
-        if losses[s - window:s].mean() <= target:
+        if losses[s - window:s].mean() <= target + 1e-12:
             return float(times[s - 1])
     return None
 
@@ -140,14 +152,17 @@ def _epoch_checks(args: argparse.Namespace, out: Path, models: list[str], world:
                                   "--dist.threads_per_worker", "1", "--straggler", "deadline", "--delay",
                                   MODELS[model], "--diagnostics.record_samples", "true", *args.train_args],
                       args.timeout_s)
-        dup, epochs = duplicates_per_epoch(out / name)
-        planned = json.loads((out / name / "report.json").read_text())
-        trained = epochs.get(0, [])
-        checks.append({"run": name, "delay_model": model, "trained": len(trained), "distinct": len(set(trained)),
-                       "samples_duplicated": dup, "deferred_share": sum(
-                           s["micro_deferred"] for s in planned["straggler"] if s) / max(1, sum(
-                               s["micro_planned"] for s in planned["straggler"] if s))})
+        checks.append(_epoch_check(out, name, model))
     return checks
+
+
+def _epoch_check(out: Path, name: str, model: str) -> dict[str, Any]:
+    dup, epochs = duplicates_per_epoch(out / name)
+    summaries = [s for s in json.loads((out / name / "report.json").read_text())["straggler"] if s]
+    trained = epochs.get(0, [])
+    return {"run": name, "delay_model": model, "trained": len(trained), "distinct": len(set(trained)),
+            "samples_duplicated": dup, "deferred_share": sum(s["micro_deferred"] for s in summaries)
+            / max(1, sum(s["micro_planned"] for s in summaries))}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
     worlds = positive_ints(args.worlds, "--worlds")
     models = _choices(args.models, MODELS, "--models")
     modes = _choices(args.modes, MODES, "--modes")
+    if args.from_dir:
+        out = Path(args.from_dir)
+        rows, checks = _read_back(out)
+        return _tables(args, out, rows, checks, sorted({r["delay_model"] for r in rows} - {"none"}))
     out = output_dir(args.out, "stragglers")
     rows: list[dict[str, Any]] = []
     for world in worlds:
@@ -173,6 +192,33 @@ def run(args: argparse.Namespace) -> int:
                     flags = [*common, "--straggler", MODES[mode], "--delay", MODELS[model]]
                     rows.append(_row(name, world, model, mode, seed, run_train_job(name, out, flags, args.timeout_s),
                                      out))
+    checks = [] if args.no_epoch_check else _epoch_checks(args, out, models, max(worlds))
+    return _tables(args, out, rows, checks, models)
+
+
+def _read_back(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of a finished run's directory (``--from``): its jobs' reports, by name."""
+    rows, checks = [], []
+    for report in sorted(out.glob("*/report.json")):
+        name = report.parent.name
+        if name.startswith("epoch-"):
+            checks.append(_epoch_check(out, name, name.split("-", 2)[2]))
+            continue
+        world, rest = name[1:].split("-", 1)
+        rest, seed = rest.rsplit("-s", 1)
+        if rest == "delay-free":
+            model, mode = "none", "delay-free"
+        else:
+            model = next(m for m in MODELS if rest.startswith(m + "-"))
+            mode = rest[len(model) + 1:]
+        rows.append(_row(name, int(world), model, mode, int(seed), json.loads(report.read_text()), out))
+    if not rows:
+        raise ValueError(f"--from={str(out)!r} holds no finished runs of poise bench stragglers")
+    return rows, checks
+
+
+def _tables(args: argparse.Namespace, out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
+            models: list[str]) -> int:
     _compare(rows)
     table = _summary(rows)
     show_table(
@@ -199,14 +245,14 @@ def run(args: argparse.Namespace) -> int:
                 *[(f"{n}_{k}", f"{n} {label}", lambda v: "-" if v is None else f"{v:.1%}")
                   for n in PREDICTORS for k, label in (("mdape", "next"), ("mdape_compute", "compute"))],
                 ("best", "best", str)])
-    checks = [] if args.no_epoch_check else _epoch_checks(args, out, models, max(worlds))
     if checks:
         show_table("an epoch of digits under each delay model, deadline steps: every sample trained once",
                    checks, [("run", "run", str), ("trained", "trained", str), ("distinct", "distinct", str),
                             ("samples_duplicated", "dup", str), ("deferred_share", "deferred", lambda v: f"{v:.1%}")])
     for r in rows:
         r.pop("_report")
-    save_results(out, "stragglers", {"steps": args.steps, "seeds": args.seeds, "models": {m: MODELS[m] for m in models},
+    save_results(out, "stragglers", {"steps": args.steps, "seeds": len({r["seed"] for r in rows}),
+                                     "models": {m: MODELS[m] for m in models},
                                      "runs": rows, "summary": table, "predictors": scores, "epoch_checks": checks})
     return 0
 
@@ -222,7 +268,8 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         loss, ref_loss = (loss_at_tokens(x["_report"]["loss_curve"], tokens) for x in (r, ref))
         r["loss_at_common_tokens"] = loss
         r["loss_vs_delay_free"] = loss / ref_loss - 1.0
-        target = loss_at_tokens(ref["_report"]["loss_curve"], tokens)
+        # the delay-free run's smoothed loss where the shortest run of the world size ends
+        target = smoothed_loss_at(ref["_report"], tokens)
         t, t_ref = time_to_loss(r["_report"], target), time_to_loss(ref["_report"], target)
         r["time_to_loss_s"] = t
         r["time_to_loss_vs_delay_free"] = None if t is None or not t_ref else t / t_ref
@@ -246,4 +293,5 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "time_to_loss_vs_delay_free": None if any(t is None for t in times) else statistics.median(times),
             "samples_duplicated": sum(m["samples_duplicated"] for m in members),
         })
-    return table
+    models, modes = ["none", *MODELS], ["delay-free", *MODES]
+    return sorted(table, key=lambda r: (r["world_size"], models.index(r["delay_model"]), modes.index(r["mode"])))

@@ -39,7 +39,7 @@ from poise.bench.harness import output_dir, require_positive, run_train_job, sav
 from poise.files import write_json_atomic
 from poise.plan import calibrate
 from poise.plan.costs import Cluster, pipelined_s, ring_all_reduce_s
-from poise.plan.planner import CODEC_OPTIONS
+from poise.plan.planner import CODEC_OPTIONS, prefer_simple
 from poise.plan.step import StepConfig, predict_step
 from poise.units import parse_rate_bit_per_s
 
@@ -353,8 +353,9 @@ def validate(out: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median and worst |error|; per scenario (link, cluster), whether the predicted fastest
-    configuration is the measured fastest or within 5 % of it."""
+    """Median and worst |error|; per scenario (link, cluster), whether the recommended
+    configuration (the predicted fastest, the simplest within ``TIE_MARGIN`` of it, as
+    ``poise plan`` recommends) is the measured fastest or within 5 % of it."""
     done = [r for r in rows if "error" in r]
     errors = sorted(abs(r["error"]) for r in done)
     scenarios: dict[str, list[dict[str, Any]]] = {}
@@ -364,7 +365,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for name, group in scenarios.items():
         if len(group) < 2:
             continue
-        recommended = min(group, key=lambda r: r["predicted_s"])
+        recommended = prefer_simple(group, lambda r: r["predicted_s"], lambda r: r["codec"], lambda r: r["collective"])
+        assert recommended is not None
         fastest = min(group, key=lambda r: r["measured_s"])
         hits[name] = {"recommended": f"{recommended['codec']}+{recommended['collective']}",
                       "measured_fastest": f"{fastest['codec']}+{fastest['collective']}",

@@ -2,7 +2,8 @@
 
 :func:`plan_all` predicts a step (``step.py``) for each codec × collective × bucket size;
 :func:`recommend` picks the fastest whose measured accuracy cost is within a budget (a codec
-whose cost is unknown is only recommended when no budget is given; ``none`` costs nothing);
+whose cost is unknown is only recommended when no budget is given; ``none`` costs nothing),
+and among configurations predicted within :data:`TIE_MARGIN` of it the simplest;
 :func:`heavy_params` names the parameter tensors that carry most of the gradient bytes, with
 advice by kind (the seed's §5.2: place or compress the big blocks such as the embedding,
 prefer attention that splits across ranks, MoE for balance). Pure functions of numbers.
@@ -11,9 +12,9 @@ prefer attention that splits across ranks, MoE for balance). Pure functions of n
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from poise.plan.costs import Cluster
 from poise.plan.step import CodecSpeed, Compute, Param, StepConfig, predict_step
@@ -106,11 +107,41 @@ def plan_all(cluster: Cluster, params: Sequence[Param], compute: Compute, speeds
     return sorted(rows, key=lambda r: r.step_s)
 
 
-def recommend(rows: Sequence[PlanRow], max_loss_increase_pct: float | None = None) -> PlanRow | None:
-    """The fastest row within the loss budget (percent; None: any codec), or None if none fits."""
+# A predicted gain smaller than this fraction is inside the model's error (its median |error|
+# against measured jobs on the emulated cluster is about 5 %, see README): between such rows
+# the simpler configuration is recommended (lossless before lossy codecs, flat before
+# topology-aware collectives), since a gain that may not exist is not worth an accuracy risk.
+TIE_MARGIN = 0.05
+_CODEC_TIER = {"none": 0, "fp16": 1, "bf16": 1}  # uncompressed, casts; every other codec is lossy: tier 2
+_COLLECTIVE_ORDER = ("flat", "ring", "tree", "hierarchical")
+
+T = TypeVar("T")
+
+
+def prefer_simple(rows: Sequence[T], seconds: Callable[[T], float], codec: Callable[[T], str],
+                  collective: Callable[[T], str], margin: float = TIE_MARGIN) -> T | None:
+    """The simplest of the rows predicted within ``margin`` of the fastest (see TIE_MARGIN):
+    uncompressed, then casts, then lossy codecs (the fastest of those), each flat first; None
+    for no rows."""
+    if not rows:
+        return None
+    best = min(seconds(r) for r in rows)
+
+    def simplicity(r: T) -> tuple[int, int, float]:
+        k = collective(r)
+        return (_CODEC_TIER.get(codec(r), 2),
+                _COLLECTIVE_ORDER.index(k) if k in _COLLECTIVE_ORDER else len(_COLLECTIVE_ORDER), seconds(r))
+
+    return min((r for r in rows if seconds(r) <= (1.0 + margin) * best), key=simplicity)
+
+
+def recommend(rows: Sequence[PlanRow], max_loss_increase_pct: float | None = None,
+              margin: float = TIE_MARGIN) -> PlanRow | None:
+    """The fastest row within the loss budget (percent; None: any codec), the simplest among
+    those within ``margin`` of it; None if none fits."""
     eligible = [r for r in rows if max_loss_increase_pct is None
                 or (r.loss_increase_pct is not None and r.loss_increase_pct <= max_loss_increase_pct)]
-    return min(eligible, key=lambda r: r.step_s) if eligible else None
+    return prefer_simple(eligible, lambda r: r.step_s, lambda r: r.codec, lambda r: r.collective, margin)
 
 
 _ADVICE = {

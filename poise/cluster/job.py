@@ -44,6 +44,10 @@ RDZV_PORT = 29400
 _FAILURE_GRACE_S = 15.0
 _STOP_GRACE_S = 10.0
 _RANK_FAILED = re.compile(r"rank \d+ failed .*")
+# torch's log lines, C++ ("[W1201 14:46:28.843 socket.cpp:207] [c10d] ...") and Python
+# ("W1201 15:54:01.998000 22909 .../run.py:865] ..."): the library's warnings, never the reason
+# a node failed, so they are not taken as its last line
+_TORCH_LOG = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
 
 
 def cluster_defaults(name: str) -> dict[str, Any]:
@@ -198,10 +202,13 @@ def _wait(agents: list[_Agent], command: str) -> int:
     # A killed worker is reported late (its agent notices it at the next monitor tick), while its
     # peers fail at once with "connection reset/closed by peer": those are consequences.
     cause = next((a for a in failed if not PEER_LOST.search(a.failure_line())), failed[0])
-    sys.stderr.write(
-        f"poise {command}: node {cause.node} failed (exit code {cause.proc.returncode}): "
-        f"{cause.failure_line()} (log: {cause.log_path})\n"
-    )
+    code = cause.proc.returncode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
+        f"exit code {code}"
+    # a node killed by a signal said nothing about it: its last line is whatever it was doing
+    line = cause.failure_line() if code >= 0 or cause.rank_failed else ""
+    sys.stderr.write(f"poise {command}: node {cause.node} failed ({how}){': ' + line if line else ''} "
+                     f"(log: {cause.log_path})\n")
     return 1
 
 
@@ -225,7 +232,7 @@ class _Agent:
         for line in self.proc.stdout:
             self._log.write(line)
             self._log.flush()
-            if line.strip():
+            if line.strip() and not _TORCH_LOG.match(line):
                 self._last_line = line.strip()
             match = _RANK_FAILED.search(line)
             if match and not self._rank_line:
@@ -233,9 +240,14 @@ class _Agent:
             if self._echo:
                 sys.stderr.write(line)
 
+    @property
+    def rank_failed(self) -> bool:
+        """Whether the agent reported one of its workers' failure."""
+        return bool(self._rank_line)
+
     def failure_line(self) -> str:
-        """The agent's own line naming the failed rank, else its last line of output."""
-        return self._rank_line or self._last_line or "(no output)"
+        """The agent's own line naming the failed rank, else its last line of output ('' for none)."""
+        return self._rank_line or self._last_line
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the agent's session (the agent and the workers it started)."""

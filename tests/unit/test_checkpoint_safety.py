@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -164,7 +163,5 @@ def test_lock_is_released_with_its_process(tmp_path):
     assert other.stdout.readline().strip() == "held"
     other.kill()
     other.wait()
-    start = time.monotonic()
-    layout.lock(root, wait_s=1.0)
+    layout.lock(root, wait_s=0.0)  # no waiting at all: it raises if the dead process still held it
     layout.unlock(root)
-    assert time.monotonic() - start < 1.0

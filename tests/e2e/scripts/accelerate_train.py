@@ -35,6 +35,7 @@ def main() -> None:
         if step.index + 1 == args.steps:
             break
     session.finish({"accelerate": {"distributed_type": str(accelerator.distributed_type.value)}})
+    accelerator.wait_for_everyone()  # no rank tears gloo down while its peer still talks to it
     accelerator.end_training()  # destroys the process group before the interpreter's teardown
 
 

@@ -69,6 +69,8 @@ def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         return
     found = sorted(p.name for p in out_dir.iterdir()
                    if p.name not in _SHARED_OUTPUTS and not (p.suffix == ".log" and p.is_file())
+                   # a sibling node writing its config.toml this instant (poise.files' temporary name)
+                   and not any(p.name.startswith(f".{name}.") and p.name.endswith(".tmp") for name in _SHARED_OUTPUTS)
                    # a sibling node's empty checkpoint directory (with at most its lock): nothing to overwrite
                    and not (p.is_dir() and {c.name for c in p.iterdir()} <= {".lock"}))
     if found:

@@ -68,6 +68,7 @@ def test_what_a_sibling_node_or_a_bench_left_is_not_a_run(tmp_path):
     (tmp_path / "train.log").write_text("")
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / ".lock").write_text("")
+    (tmp_path / ".config.toml.pp0lp19z.tmp").write_text("")  # a sibling node writing config.toml now
     config, _ = _record("--out", str(tmp_path))
     assert config.out_dir == str(tmp_path.resolve())
 

@@ -42,7 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ from poise.step import DeadlineStep, Step
 from poise.straggler.steps import DeadlineRunner
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Sampler = StaticSchedule | BalancedBatchSampler
 # The entries of Session.state_dict() that belong to one rank; the rest every rank shares.
@@ -156,6 +157,9 @@ class Session:
         world_size: int | None = None,
     ) -> None:
         self._started_s = time.perf_counter()
+        self._clock_s: float | None = None  # when the first step opened: training time counts from there
+        self._eval_s = 0.0  # seconds spent in evaluate(), left out of the training time
+        self._eval_curve: list[dict[str, float]] = []
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("poise.Session needs torch.distributed initialised first: call "
                              "dist.init_process_group(...) (torchrun sets the environment it reads)")
@@ -329,6 +333,8 @@ class Session:
         step = Step(self, index=self.steps_done, epoch=epoch, position=position, indices=batches[self.rank],
                     weight=weight / self.accum_steps, sync=sync)
         step._open(data_s=max(0.0, time.perf_counter() - since))
+        if self._clock_s is None:
+            self._clock_s = time.perf_counter()
         return step
 
     def steps(self, loader: Iterable[Any]) -> Iterator[tuple[Step, Any]]:
@@ -401,6 +407,8 @@ class Session:
         since = max(handed_s, self._last_exit_s) if self._last_exit_s is not None else handed_s
         step._open(data_s=max(0.0, time.perf_counter() - since))
         plan.started_s = time.perf_counter()
+        if self._clock_s is None:
+            self._clock_s = plan.started_s
         return step
 
     def _close_step(self, marks: StepMarks) -> None:
@@ -483,6 +491,36 @@ class Session:
             self.deadline.load_state_dict(state["straggler"])
         self.steps_done = int(state["steps_done"]) if same_world else 0
 
+    # -- evaluation ------------------------------------------------------------------------
+
+    def evaluate(self, fn: Callable[[], T]) -> T:
+        """Run your evaluation ``fn`` now, between steps, and record its loss against the
+        training time so far; returns what ``fn`` returns (a loss, or an object with ``.loss``).
+
+        Why: a speed-up that costs accuracy is only real at equal accuracy, so the report's
+        ``eval_curve`` lists ``{"step", "train_s", "loss"}`` per call: optimizer steps done,
+        seconds of training since the first step opened on this rank (the time of every
+        evaluation left out), and the loss in your unit. ``poise bench accuracy`` reads the
+        time to a target loss from it. If ``fn`` is a collective (a sharded evaluation), call
+        this on every rank; rank 0's record goes into the report.
+
+        Raises:
+            ValueError: inside an open step, or when ``fn``'s result has no loss.
+        """
+        if self._active is not None:
+            raise ValueError("session.evaluate() inside an open step: evaluate between steps")
+        start = time.perf_counter()
+        train_s = start - self._clock_s - self._eval_s if self._clock_s is not None else 0.0
+        result = fn()
+        self._eval_s += time.perf_counter() - start
+        loss = result if isinstance(result, (int, float)) else getattr(result, "loss", None)
+        if not isinstance(loss, (int, float)):
+            raise ValueError(f"session.evaluate(): fn returned {type(result).__name__}, which is neither a number "
+                             "nor has a numeric .loss")
+        self._eval_curve.append({"step": self.steps_done // self.accum_steps, "train_s": train_s,
+                                 "loss": float(loss)})
+        return result
+
     # -- the end ---------------------------------------------------------------------------
 
     def finish(self, extra: dict[str, Any] | None = None, *, loss_scale: float = 1.0) -> dict[str, Any] | None:
@@ -535,6 +573,7 @@ class Session:
             "replans": [e.__dict__ for e in self.partitioner.history] if self.partitioner else [],
             "straggler": [d.pop("straggler") for d in slowdowns],  # per rank; None: off
             "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed
+            "eval_curve": self._eval_curve,  # rank 0's evaluate() calls: step, train_s (s), loss
             **(extra or {}),
         }
         if self.out_dir is not None:

@@ -203,16 +203,14 @@ def _powersgd_seconds(codec: Any, grad: Any, bucket: Any, key: int, result: Any)
     if not layout.blocks:
         return 0.0, 0.0
     start = time.perf_counter()
-    corrected = codec.correct(grad, key)
+    corrected = codec.correct_in_place(grad, key)
     round1 = torch.empty(layout.p_numel + layout.dense_numel)
     p, dense = round1[: layout.p_numel], round1[layout.p_numel:]
     lowrank.project_p(corrected, layout, key, p)
     layout.gather_dense(corrected, dense)
     lowrank.orthonormalize(p, layout)
     q = lowrank.project_q(corrected, p, layout, key)
-    approx = lowrank.expand(layout, p, q, grad)
-    layout.copy_dense(corrected, approx)
-    codec.remember(key, corrected, approx)
+    lowrank.subtract(layout, p, q, corrected)
     mid = time.perf_counter()
     lowrank.remember(key, q)
     lowrank.expand(layout, p, q, result, dense)

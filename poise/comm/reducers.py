@@ -182,7 +182,9 @@ class LowRankReducer(CodecReducer):
             return self._uncompressed.reduce(tensor, key=key, weight=weight)
         self._prescale(tensor, weight)
         start = time.perf_counter()
-        corrected = self.ef.correct(tensor, key) if self.ef is not None else tensor
+        # with error feedback, the residual's buffer holds the corrected gradient until
+        # ``subtract`` turns it into the new residual, in place
+        corrected = self.ef.correct_in_place(tensor, key) if self.ef is not None else tensor
         if corrected is None:  # a NaN/Inf gradient in "skip" mode: make every rank see NaN
             corrected = tensor.fill_(float("nan"))
         # round 1 carries P and the dense entries together: one collective, not two
@@ -197,11 +199,7 @@ class LowRankReducer(CodecReducer):
         self.lowrank.orthonormalize(p, layout)
         q = self.lowrank.project_q(corrected, p, layout, key)
         if self.ef is not None and corrected is not tensor:
-            # tensor is free now (corrected is the EF's copy): use it for P Q_r^T; the dense
-            # entries went exactly, so the approximation takes them from ``corrected``
-            approx = self.lowrank.expand(layout, p, q, tensor)
-            layout.copy_dense(corrected, approx)
-            self.ef.remember(key, corrected, approx)
+            self.lowrank.subtract(layout, p, q, corrected)  # residual = corrected - P Q_r^T
         self.counters.add(raw_bytes=_nbytes(tensor), wire_bytes=layout.wire_numel * 4, buckets=1,
                           encode_s=encode_s + time.perf_counter() - start)
         work = dist.all_reduce(q, group=self.group, async_op=True)

@@ -76,6 +76,16 @@ class CommThread:
             self._thread.join(timeout_s)
 
 
+def private_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """A new process group with ``group``'s ranks (None: the world), for one thread's use alone.
+
+    Only ``group``'s ranks take part in creating it (``use_local_synchronization``), each at
+    the same point; it takes the default group's timeout (``dist.timeout_s``).
+    """
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks, timeout=default_group_timeout(), use_local_synchronization=True)
+
+
 # -- topology ---------------------------------------------------------------------------------
 
 

@@ -10,6 +10,8 @@ moves bytes. :func:`compose` builds the stack a configuration asks for:
   leaders), broadcast the result inside each node.
 - :class:`LocalFirst`: each rank adds back the part of its own gradient that its payload did
   not carry (error feedback then delays only the other ranks' parts).
+- :class:`OnCommThread`: the whole reduction, waits included, on a communication thread, so
+  DDP's autograd thread never waits for a collective (PowerSGD's two rounds).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch.distributed as dist
 
 from poise.comm.codecs import Codec, ErrorFeedback
 from poise.comm.codecs.cast import IdentityCodec
-from poise.comm.codecs.lowrank import Shapes
-from poise.comm.collectives import Collective, Hierarchical
-from poise.comm.reducers import CodecReducer, Reducer, make_reducer, prescale
+from poise.comm.codecs.lowrank import PowerSGDCodec, Shapes
+from poise.comm.collectives import Collective, CommThread, Hierarchical
+from poise.comm.reducers import CodecReducer, LowRankReducer, Reducer, make_reducer, prescale
 from poise.comm.state import Counters
+from poise.comm.topology import private_group
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +146,46 @@ class LocalFirst(Reducer):
         return f"LocalFirst({self.inner!r})"
 
 
+class OnCommThread(Reducer):
+    """Run ``inner``'s whole reduction on a communication thread; the caller only enqueues.
+
+    Why: PowerSGD cannot compute Q before its first round has been summed over the ranks, so
+    in DDP's hook (the autograd thread) it holds backward up at every bucket for a round trip
+    and for the factor products, and each bucket's wait also waits for the slowest rank to
+    reach that bucket. On the thread, backward goes on with the next buckets while earlier
+    ones are factorised and reduced. ``inner`` must issue its collectives only on process
+    groups that no other thread uses (:func:`~poise.comm.topology.private_group`): the thread
+    runs jobs in call order, which DDP makes the same on every rank, so the groups see their
+    operations in the same order everywhere (``collectives.py`` gives the full argument).
+
+    Args:
+        inner: the reducer to run; its future is waited for on the thread.
+        thread: the thread (one per process group, shared by the buckets).
+    """
+
+    def __init__(self, inner: Reducer, thread: CommThread) -> None:
+        self.inner = inner
+        self.thread = thread
+
+    def reduce(self, tensor: torch.Tensor, *, key: Hashable, weight: float | None = None,
+               shapes: Shapes | None = None) -> Future[torch.Tensor]:
+        def job() -> torch.Tensor:
+            return self.inner.reduce(tensor, key=key, weight=weight, shapes=shapes).wait()
+
+        return self.thread.submit(job, tensor.device)
+
+    def __repr__(self) -> str:
+        return f"OnCommThread({self.inner!r})"
+
+
 def compose(codec: Codec, group: dist.ProcessGroup | None, collective: Collective | None, counters: Counters,
             inter_node_counters: Counters, *, local_first: bool = False) -> Reducer:
     """The reducer stack for ``codec`` over ``collective`` (None: flat): outermost first,
     [:class:`LocalFirst`] → [:class:`HierarchicalReducer`] → ``make_reducer(codec)``.
+
+    PowerSGD outside a hierarchical reduction runs :class:`OnCommThread` over a private copy
+    of ``group`` (created here: every rank of ``group`` must call at the same point), except
+    under ``local_first``, which needs the residual before ``reduce`` returns.
 
     A collective that sums inside nodes first (``as_hierarchical()``) with a codec other than
     ``none`` compresses only between nodes: the codec's reducer runs on the leader group and
@@ -157,7 +196,10 @@ def compose(codec: Codec, group: dist.ProcessGroup | None, collective: Collectiv
     """
     hierarchical = collective.as_hierarchical() if collective is not None else None
     reducer: Reducer
-    if hierarchical is None or isinstance(codec, IdentityCodec):
+    inner = codec.codec if isinstance(codec, ErrorFeedback) else codec
+    if hierarchical is None and isinstance(inner, PowerSGDCodec) and not local_first:
+        reducer = OnCommThread(LowRankReducer(codec, private_group(group), counters), CommThread("poise-powersgd"))
+    elif hierarchical is None or isinstance(codec, IdentityCodec):
         reducer = make_reducer(codec, group, counters, collective)
     else:
         topology = hierarchical.topology

@@ -113,6 +113,14 @@ class TrainConfig:
     frozen: str = _field(
         "", "parameter-name prefixes kept fixed, comma-separated (fine-tuning), e.g. 'blocks.0,token_embedding'"
     )
+    eval_every: int = _field(
+        0, "evaluate every N optimizer steps too, not only at the end (0: at the end only); the report's "
+        "eval_curve gives each evaluation's loss against the training seconds so far (time to accuracy)"
+    )
+    stop_at_eval_loss: float | None = _field(
+        None, "stop once an evaluation (train.eval_every) reaches this eval loss (the task's unit; the "
+        "learning-rate schedule still spans the whole run)"
+    )
 
     def frozen_prefixes(self) -> tuple[str, ...]:
         """``frozen`` parsed: the parameter-name prefixes kept fixed."""
@@ -134,6 +142,11 @@ class TrainConfig:
             )
         if self.weight_decay < 0 or self.warmup_steps < 0 or self.grad_clip_norm < 0:
             raise ValueError("train.weight_decay, train.warmup_steps and train.grad_clip_norm must be >= 0")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every={self.eval_every} must be >= 0 (0: evaluate at the end only)")
+        if self.stop_at_eval_loss is not None and not self.eval_every:
+            raise ValueError(f"train.stop_at_eval_loss={self.stop_at_eval_loss} needs train.eval_every > 0: "
+                             "the loss is checked at those evaluations")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -604,6 +617,9 @@ class RunConfig:
             raise ValueError(f"train.accum_steps={self.train.accum_steps} with straggler.mode={self.straggler.mode!r} "
                              "(or straggler.delay): a deadline step accumulates its own micro-batches "
                              "(straggler.micro_batches); use accum_steps=1")
+        if self.train.eval_every and self.comm.local_first:
+            raise ValueError(f"train.eval_every={self.train.eval_every} with comm.local_first: the ranks' weights "
+                             "differ during training, so only the final evaluation (of rank 0's) is meaningful")
         if self.train.batch_tokens is not None and self.task.name != "code-lm":
             raise ValueError(
                 f"train.batch_tokens={self.train.batch_tokens} only applies to task code-lm, "

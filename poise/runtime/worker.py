@@ -29,7 +29,7 @@ from poise.log import step_progress
 from poise.runtime import dist as rdist
 from poise.runtime import entry
 from poise.runtime.data import build_sampler
-from poise.runtime.evaluate import evaluate
+from poise.runtime.evaluate import EvalResult, evaluate
 from poise.runtime.faults import FaultPlan, restart_count
 from poise.runtime.samples import SampleLog
 from poise.session import Session
@@ -228,9 +228,14 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         # the DataLoader takes one batch at a time here (no workers): position is this batch's + 1
         return epoch + 1 == tc.epochs and session.sampler.position == len(session.sampler)
 
+    def run_eval() -> EvalResult:
+        return evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples,
+                        batch_size=tc.batch_size or task.default_batch_size)
+
+    reached: EvalResult | None = None  # the evaluation that met train.stop_at_eval_loss
     with step_progress(config.diagnostics.progress and ctx.is_main, total_micro) as progress:
         # epochs: every epoch to its end (after an elastic resume, the step count is another one)
-        while epoch < tc.epochs if tc.epochs is not None else steps_done < total_micro:
+        while reached is None and (epoch < tc.epochs if tc.epochs is not None else steps_done < total_micro):
             session.sampler.set_epoch(epoch)  # keeps a resumed epoch's position
             for item in (session.steps(loader) if session.deadline is not None else loader):
                 faults.check(ctx.rank, steps_done)
@@ -271,6 +276,13 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
                 if saver is not None and saver.due(steps_done):
                     save(steps_done)
                     last_saved = steps_done
+                if tc.eval_every and steps_done % (tc.eval_every * tc.accum_steps) == 0 and steps_done < total_micro:
+                    result = session.evaluate(run_eval)
+                    if tc.stop_at_eval_loss is not None and result.loss <= tc.stop_at_eval_loss:
+                        log.info("step %d: eval loss %.4f reached train.stop_at_eval_loss=%g: stopping",
+                                 steps_done // tc.accum_steps, result.loss, tc.stop_at_eval_loss)
+                        reached = result
+                        break
                 if tc.epochs is None and steps_done >= total_micro:
                     break
             epoch += 1
@@ -290,14 +302,14 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         # the ranks' weights differ by their unsent residuals: evaluate the weights rank 0 saved
         for tensor in ddp.module.state_dict().values():
             dist.broadcast(tensor, src=0)
-    result = evaluate(ddp.module, task, ctx, max_samples=config.task.eval_max_samples,
-                      batch_size=tc.batch_size or task.default_batch_size)
+    result = reached if reached is not None else session.evaluate(run_eval)
     report = session.finish({
         "task": task.name,
         "loss_unit": result.unit,
         "eval_loss": result.loss,
         "eval_accuracy": result.accuracy,
         "eval_count": result.count,
+        "stopped_at_eval_loss": reached is not None,  # train.stop_at_eval_loss was met before the last step
         "variance_frozen_after": optimizer.param_groups[0]["freeze_after"],  # optimizer steps; None: never
         "restarts": attempt,
         "resumed_from": resumed_from,

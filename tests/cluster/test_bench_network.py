@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cluster
 
 def test_network_bench_runs_busbw_and_training_on_a_shaped_cluster(cluster_support, state_dir, tmp_path):
     proc = run_poise("bench", "network", "--links", "1gbit", "--runs", "ddp,sign+hierarchical", "--steps", "4",
-                     "--busbw-bytes", "1M", "--out", str(tmp_path), "--",
+                     "--eval-every", "2", "--busbw-bytes", "1M", "--out", str(tmp_path), "--",
                      "--task", "digits", "--batch-size", "8", timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vs torch PowerSGD" in proc.stdout and "vs line rate" in proc.stdout
@@ -23,6 +23,12 @@ def test_network_bench_runs_busbw_and_training_on_a_shaped_cluster(cluster_suppo
     runs = {r["run"]: r for r in data["training"]}
     assert set(runs) == {"ddp", "sign+hierarchical"}
     assert runs["ddp"]["vs_ddp"] == pytest.approx(1.0)
+    # time to accuracy: ddp's own final loss is the target, reached at its last evaluation
+    assert data["target_eval_loss"] == runs["ddp"]["final_eval_loss"]
+    assert [p["step"] for p in runs["ddp"]["eval_curve"]] == [2, 4]
+    assert runs["ddp"]["time_to_target_s"] == pytest.approx(runs["ddp"]["eval_curve"][-1]["train_s"])
+    assert runs["ddp"]["speedup_vs_ddp"] == pytest.approx(1.0)
+    assert runs["sign+hierarchical"]["steps"] <= 6  # 50 % more steps at most, stopped at the target
     assert all(r["median_step_s"] > 0 and r["tokens_per_s"] > 0 for r in runs.values())
     # the leaders' compressed node sums are counted: 2 nodes, 1-bit payloads of the whole model
     assert runs["ddp"]["inter_node_mb_per_step"] == 0

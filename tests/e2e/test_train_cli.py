@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -180,3 +181,19 @@ def test_epochs_mode_runs_whole_epochs(tmp_path, balance, steps):
         assert report["steps"] == steps  # 1437 samples // 2 ranks // 64 per batch
     else:  # the balanced sampler covers every sample of the epoch once
         assert report["loss_curve"][-1][0] == 1437
+
+
+def test_periodic_evaluation_records_the_curve_and_stops_at_a_target_loss(tmp_path):
+    """train.eval_every: each evaluation lands in eval_curve against the training seconds so
+    far; train.stop_at_eval_loss ends the run at the first evaluation that reaches it."""
+    proc = run_poise("train", "--task", "digits", "--nproc", "2", "--steps", "60", "--train.eval_every", "10",
+                     "--train.stop_at_eval_loss", "1.0", "--out", str(tmp_path), *QUIET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(tmp_path)
+    curve = report["eval_curve"]
+    assert report["stopped_at_eval_loss"] and report["steps"] == curve[-1]["step"] < 60
+    assert [p["step"] for p in curve] == list(range(10, report["steps"] + 1, 10))
+    assert all(p["loss"] > 1.0 for p in curve[:-1])  # it stopped at the first that reached it
+    assert curve[-1]["loss"] == report["eval_loss"] <= 1.0
+    assert all(a["train_s"] < b["train_s"] for a, b in itertools.pairwise(curve))
+    assert "reached train.stop_at_eval_loss=1: stopping" in proc.stderr

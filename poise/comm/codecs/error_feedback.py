@@ -102,6 +102,24 @@ class ErrorFeedback(Codec):
             return corrected.copy_(src)
         return torch.add(src, residual, out=corrected)
 
+    def correct_in_place(self, tensor: torch.Tensor, key: Hashable | None) -> torch.Tensor | None:
+        """``tensor + residual`` written into the residual's own buffer, which is returned (None
+        as for :meth:`correct`). The caller must overwrite that buffer with the new residual
+        before the next call with ``key``: a reducer that can compute ``corrected - sent`` in
+        place (PowerSGD's ``M - P Q^T`` as one matrix product) saves a gradient-sized buffer and
+        two passes over it."""
+        src = flat(tensor)
+        if src.numel() and not torch.isfinite(src.sum(dtype=torch.float32)):
+            return self.correct(tensor, key)  # raises, or counts the skip and returns None
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != src.shape or residual.dtype != src.dtype:
+            if residual is not None:
+                log.info("bucket %s changed size (%d -> %d entries): residual dropped", key,
+                         residual.numel(), src.numel())
+            residual = self._residuals[key] = src.clone()
+            return residual
+        return residual.add_(src)
+
     def remember(self, key: Hashable | None, corrected: torch.Tensor, sent: torch.Tensor) -> None:
         """Store ``corrected - sent`` (what this rank's payload did not carry) for ``key``."""
         residual = self._residuals.get(key)

@@ -97,11 +97,6 @@ class Layout:
             out[offset: offset + stop - start].copy_(src[start:stop])
             offset += stop - start
 
-    def copy_dense(self, src: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the dense ranges of the flat ``src`` into the same ranges of the flat ``out``."""
-        for start, stop in self.dense:
-            out[start:stop].copy_(src[start:stop])
-
     def scatter_dense(self, src: torch.Tensor, out: torch.Tensor) -> None:
         """Inverse of :meth:`gather_dense`: write the packed ``src`` into ``out``'s dense ranges."""
         offset = 0
@@ -217,6 +212,17 @@ class PowerSGDCodec(Codec):
         if dense is not None:
             layout.scatter_dense(dense, flat_out)
         return out
+
+    @staticmethod
+    def subtract(layout: Layout, p: torch.Tensor, q: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """``m -= P_i Q_i^T`` on each block of the flat ``m``, in place (one matrix product per
+        block: error feedback's residual without an approximation buffer), and zero on the
+        dense ranges (sent exactly)."""
+        for mat, p_i, q_i in zip(layout.matrices(m), layout.p_views(p), layout.q_views(q), strict=True):
+            mat.addmm_(p_i, q_i.T, alpha=-1.0)
+        for start, stop in layout.dense:
+            m[start:stop].zero_()
+        return m
 
     # -- the Codec interface: the same steps on one rank ---------------------------------------
 

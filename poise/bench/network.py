@@ -58,8 +58,10 @@ RUNS: dict[str, tuple[str, ...]] = {
     "sign+hierarchical": ("--codec", "sign", "--collective", "hierarchical"),
     "topk": ("--codec", "topk"),
     "powersgd": ("--codec", "powersgd"),
+    "powersgd-early": ("--codec", "powersgd", "--comm.start_step", "5"),
+    "powersgd-r4": ("--codec", "powersgd", "--comm.powersgd_rank", "4", "--comm.start_step", "5"),
 }
-DEFAULT_RUNS = ("ddp", "torch-powersgd", "powersgd")
+DEFAULT_RUNS = ("ddp", "torch-powersgd", "powersgd", "powersgd-early")
 BUSBW_OPS = ("all_reduce", "poise-ring", "poise-hierarchical")
 MODEL_ARGS = ("--task", "code-lm", "--task.d_model", "512", "--task.num_layers", "6", "--task.num_heads", "8",
               "--max-seq-len", "32", "--batch-size", "1", "--task.eval_max_samples", "128")
@@ -88,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--busbw-bytes", default="64M", help="all-reduce size of the busbw part ('' skips it)")
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"training runs: {', '.join(RUNS)}")
     parser.add_argument("--steps", type=int, default=200, help="steps of the reference run (ddp)")
-    parser.add_argument("--extra-steps", type=float, default=0.5,
+    parser.add_argument("--extra-steps", type=float, default=0.25,
                         help="the other runs may take this share more steps to reach the reference's loss")
     parser.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (time to accuracy)")
     parser.add_argument("--short-links", default="100mbit",

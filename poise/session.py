@@ -425,9 +425,25 @@ class Session:
     def _take(self, marks: StepMarks) -> None:
         rec = marks.record(self.clock)
         self.timeline.record(rec)
+        trial = getattr(self.comm_state, "trial", None)
+        if trial is not None:
+            trial.observe(rec.step, rec.step_s)
+            if trial.ready:
+                self._decide_trial(trial)
         if self.partitioner is not None:
             self.partitioner.observe(self.lengths[marks.indices], rec.compute_s)
         self.last_record = rec
+
+    def _decide_trial(self, trial: Any) -> None:
+        """``comm.codec=auto``: every rank takes the slowest rank's medians (the step waits for
+        it), so all make the same choice, at the same step (between steps, on this thread)."""
+        medians = torch.tensor(trial.medians(), dtype=torch.float64)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        uncompressed_s, codec_s = medians.tolist()
+        kept = trial.decide(uncompressed_s, codec_s)
+        log.info("comm.codec=auto: median step %.0f ms uncompressed, %.0f ms with PowerSGD (x%.2f margin): %s",
+                 uncompressed_s * 1e3, codec_s * 1e3, trial.margin,
+                 "PowerSGD kept" if kept else "uncompressed from now on")
 
     def _publish_metrics(self, block: np.ndarray) -> None:
         """Rank 0, after each gather: the new block to the metrics endpoint."""
@@ -570,6 +586,7 @@ class Session:
             "balance_strategy": self.balance.strategy,
             "codec": self.comm.codec,
             "compression_start_step": self.compression_start,  # optimizer steps sent uncompressed first
+            "codec_trial": trial.summary() if (trial := getattr(self.comm_state, "trial", None)) else None,
             "replans": [e.__dict__ for e in self.partitioner.history] if self.partitioner else [],
             "straggler": [d.pop("straggler") for d in slowdowns],  # per rank; None: off
             "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed

@@ -60,8 +60,9 @@ RUNS: dict[str, tuple[str, ...]] = {
     "powersgd": ("--codec", "powersgd"),
     "powersgd-early": ("--codec", "powersgd", "--comm.start_step", "5"),
     "powersgd-r4": ("--codec", "powersgd", "--comm.powersgd_rank", "4", "--comm.start_step", "5"),
+    "auto": ("--codec", "auto", "--comm.start_step", "5"),  # PowerSGD on trial, kept only where it pays
 }
-DEFAULT_RUNS = ("ddp", "torch-powersgd", "powersgd", "powersgd-early")
+DEFAULT_RUNS = ("ddp", "torch-powersgd", "powersgd-early", "auto")
 BUSBW_OPS = ("all_reduce", "poise-ring", "poise-hierarchical")
 MODEL_ARGS = ("--task", "code-lm", "--task.d_model", "512", "--task.num_layers", "6", "--task.num_heads", "8",
               "--max-seq-len", "32", "--batch-size", "1", "--task.eval_max_samples", "128")
@@ -161,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
         ("comm_exposed_s", "comm exposed", lambda v: f"{v * 1e3:.0f} ms"),
     ])
     if any(r["extrapolated"] for r in train_rows):
-        make_console().print("extrapolated: the run's median step x the steps it needed at a link where it ran in full")
+        make_console().print("extrapolated: the steps the run needed at a link where it ran in full, its "
+                             "warm-up steps at ddp's median step here and the others at its own")
     save_results(out, "network", {"cluster": cluster, "links": links, "plan": dataclasses.asdict(plan),
                                   "target_eval_loss": target, "model_args": model,
                                   "busbw": busbw_rows, "training": train_rows})
@@ -228,6 +230,7 @@ def training(out: Path, cluster: str, link: str, labels: list[str], model: list[
     rows: list[dict[str, Any]] = []
     reference.setdefault("target", plan.target)
     reference.setdefault("steps", {})
+    reference.setdefault("starts", {})
     for label in labels:
         short = link in plan.short_links and (label == "ddp" or label.startswith("torch-"))
         steps = (plan.short_steps if short else plan.steps if label == "ddp"
@@ -246,14 +249,20 @@ def training(out: Path, cluster: str, link: str, labels: list[str], model: list[
         if short:
             needed = reference["steps"].get(label)
             row["extrapolated"] = True
-            # the warm-up steps ran at full (uncompressed) cost in both: one median step each
-            row["time_to_target_s"] = needed * report["median_step_s"] if needed is not None else None
+            # its uncompressed warm-up steps at ddp's median step at this link, the rest at its own
+            warmup = min(reference["starts"].get(label, 0), needed or 0)  # as many as where it ran in full
+            ddp_here = _find(rows, "ddp")
+            uncompressed_s = ddp_here["median_step_s"] if ddp_here else None
+            row["time_to_target_s"] = (None if needed is None else
+                                       needed * report["median_step_s"] if uncompressed_s is None or label == "ddp"
+                                       else warmup * uncompressed_s + (needed - warmup) * report["median_step_s"])
         else:
             row["extrapolated"] = False
             row["time_to_target_s"] = time_to_target(curve, target) if target is not None else None
             reached = steps_to_target(curve, target) if target is not None else None
             if reached is not None:
                 reference["steps"].setdefault(label, reached)
+                reference["starts"].setdefault(label, report["compression_start_step"])
         row["target_eval_loss"] = target
         rows.append(row)
     by_label = {r["run"]: r for r in rows}
@@ -269,6 +278,10 @@ def training(out: Path, cluster: str, link: str, labels: list[str], model: list[
         if reference["target"]:
             row["loss_vs_target_pct"] = 100 * (row["final_eval_loss"] / reference["target"] - 1)
     return rows
+
+
+def _find(rows: list[dict[str, Any]], label: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["run"] == label), None)
 
 
 def _row(link: str, label: str, report: dict[str, Any]) -> dict[str, Any]:

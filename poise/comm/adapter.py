@@ -24,6 +24,7 @@ from poise.comm.collectives import Collective
 from poise.comm.probe import CommHook
 from poise.comm.reducers import AllReduceReducer, Reducer
 from poise.comm.state import Counters, CountingState
+from poise.comm.trial import CodecTrial
 from poise.comm.wrappers import compose
 
 
@@ -37,6 +38,8 @@ class HookState(CountingState):
         reducer: the reducer stack used from ``start_step`` on.
         uncompressed: the plain averaging all-reduce for warm-up and bypassed steps.
         start_step: steps sent uncompressed before ``reducer`` takes over.
+        trial: ``comm.codec=auto``'s decision (:class:`~poise.comm.trial.CodecTrial`): from its
+            end on, ``reducer`` is used only if it paid. None: always from ``start_step``.
         step: steps seen so far (a step ends with DDP's last bucket).
         weight, counters, inter_node_counters: see :class:`~poise.comm.state.CountingState`.
 
@@ -45,7 +48,8 @@ class HookState(CountingState):
     """
 
     def __init__(self, codec: Codec, reducer: Reducer, uncompressed: Reducer, *, start_step: int = 2,
-                 counters: Counters | None = None, inter_node_counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, inter_node_counters: Counters | None = None,
+                 trial: CodecTrial | None = None) -> None:
         if start_step < 0:
             raise ValueError(f"start_step={start_step} must be >= 0")
         super().__init__(counters, inter_node_counters)
@@ -54,14 +58,27 @@ class HookState(CountingState):
         self.uncompressed = uncompressed
         self.start_step = start_step
         self.step = 0
+        self.trial = trial
 
     def state_dict(self) -> dict[str, Any]:
         """Step count and codec state (residuals, warm starts); no process group."""
-        return {"step": self.step, "codec": self.codec.state_dict()}
+        state: dict[str, Any] = {"step": self.step, "codec": self.codec.state_dict()}
+        if self.trial is not None:
+            state["trial"] = self.trial.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.codec.load_state_dict(state["codec"])
+        if self.trial is not None and "trial" in state:
+            self.trial.load_state_dict(state["trial"])
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the next step goes through ``reducer`` (past the warm-up, and kept by the trial)."""
+        if self.step < self.start_step:
+            return False
+        return self.trial is None or self.trial.uses_codec(self.step)
 
     def shared_state_dict(self) -> dict[str, Any]:
         """The step count: every rank's is the same (compression starts at the same step)."""
@@ -76,7 +93,7 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
     up or bypassed; a bypassed bucket counts no step)."""
     if state.bypassing:
         return state.uncompressed.reduce(bucket.buffer(), key=bucket.index())
-    reducer = state.reducer if state.step >= state.start_step else state.uncompressed
+    reducer = state.reducer if state.compressing else state.uncompressed
     # the parameters' shapes: low rank compresses each weight matrix of the bucket on its own
     shapes = [p.shape for p in bucket.parameters()]
     fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight, shapes=shapes)
@@ -87,11 +104,12 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
 
 def make_state(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step: int = 2,
                on_nonfinite: str = "error", process_group: dist.ProcessGroup | None = None,
-               collective: Collective | None = None, local_first: bool = False, **options: Any) -> HookState:
+               collective: Collective | None = None, local_first: bool = False, trial: CodecTrial | None = None,
+               **options: Any) -> HookState:
     """A :class:`HookState` for ``codec`` (a name from ``codecs.CODECS`` with ``options``, or
     a codec object), wrapped in error feedback unless ``error_feedback`` is False or the
     codec is ``none``, reducing through ``collective`` (None: flat); ``local_first``: see
-    :class:`~poise.comm.wrappers.LocalFirst`.
+    :class:`~poise.comm.wrappers.LocalFirst`; ``trial``: see :class:`HookState`.
 
     Raises:
         ValueError: options with a codec object, a bad option, or ``local_first`` without
@@ -107,7 +125,7 @@ def make_state(codec: str | Codec = "topk", *, error_feedback: bool = True, star
     reducer = compose(codec, process_group, collective, counters, inter_node_counters, local_first=local_first)
     uncompressed = AllReduceReducer(IdentityCodec(), process_group, counters, collective)
     return HookState(codec, reducer, uncompressed, start_step=start_step, counters=counters,
-                     inter_node_counters=inter_node_counters)
+                     inter_node_counters=inter_node_counters, trial=trial)
 
 
 def hook(codec: str | Codec = "topk", *, error_feedback: bool = True, start_step: int = 2,

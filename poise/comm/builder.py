@@ -19,6 +19,7 @@ from poise.comm.adapter import compressed_hook, make_state
 from poise.comm.probe import CommHook
 from poise.comm.state import CommState
 from poise.comm.topology import Topology
+from poise.comm.trial import CodecTrial
 from poise.config import CODEC_NAMES, CommConfig
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,9 @@ log = logging.getLogger(__name__)
 HookBuilder = Callable[[CommConfig, dist.ProcessGroup | None, Topology | None, int], tuple[CommHook, CommState]]
 
 
-def _poise_codec(**options: Callable[[CommConfig], Any]) -> HookBuilder:
-    """The builder of a poise codec whose options (codec option name -> the config field's
-    value) come from the config."""
+def _poise_codec(codec: str | None = None, **options: Callable[[CommConfig], Any]) -> HookBuilder:
+    """The builder of a poise codec (``codec``; None: the config's name) whose options (codec
+    option name -> the config field's value) come from the config."""
 
     def build_codec(config: CommConfig, group: dist.ProcessGroup | None, topology: Topology | None,
                     start_step: int) -> tuple[CommHook, CommState]:
@@ -37,9 +38,14 @@ def _poise_codec(**options: Callable[[CommConfig], Any]) -> HookBuilder:
         if config.collective != "flat":
             collective = collectives.make(config.collective, group, topology=topology,
                                           segment_bytes=config.segment_bytes, small_bytes=config.tree_max_bytes)
-        state = make_state(config.codec, error_feedback=config.error_feedback, start_step=start_step,
+        trial = None
+        if config.codec == "auto":  # PowerSGD on trial (poise/comm/trial.py)
+            start_step = max(start_step, 3)  # at least one uncompressed step past DDP's bucket rebuild
+            trial = CodecTrial(start_step, steps=config.auto_trial_steps, margin=config.auto_margin)
+        state = make_state(codec or config.codec, error_feedback=config.error_feedback, start_step=start_step,
                            on_nonfinite=config.on_nonfinite, process_group=group, collective=collective,
-                           local_first=config.local_first, **{name: read(config) for name, read in options.items()})
+                           local_first=config.local_first, trial=trial,
+                           **{name: read(config) for name, read in options.items()})
         log.info("comm hook: %r over %r, uncompressed for the first %d steps%s", state.codec, collective or "flat",
                  state.start_step, ", local first" if config.local_first else "")
         log.debug("comm reducer stack: %r", state.reducer)
@@ -57,6 +63,7 @@ HOOKS: dict[str, HookBuilder] = {
     "topk": _poise_codec(ratio=lambda c: c.topk_ratio),
     "randomk": _poise_codec(ratio=lambda c: c.topk_ratio),
     "powersgd": _poise_codec(rank=lambda c: c.powersgd_rank),
+    "auto": _poise_codec("powersgd", rank=lambda c: c.powersgd_rank),
     "torch-fp16": torch_hooks.fp16,
     "torch-powersgd": torch_hooks.powersgd,
 }
@@ -79,6 +86,8 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
     - poise codecs (fp16, bf16, int8, sign, topk, randomk, powersgd): an
       ``adapter.HookState`` with ``config.error_feedback``, ``start_step``, ``on_nonfinite``,
       ``local_first`` and the codec's option.
+    - ``auto``: PowerSGD on trial for ``auto_trial_steps`` once compression starts, kept only
+      if it paid (``poise/comm/trial.py``; the session times the steps and decides).
     - ``torch-fp16``: torch's ``fp16_compress_hook``. ``torch-powersgd``: torch's
       ``powerSGD_hook`` with a ``PowerSGDState``. On gloo, torch's PowerSGD hook only works
       with a single bucket (it starts its second collective from a future callback, which

@@ -21,10 +21,11 @@ BACKENDS = ("auto", "gloo", "nccl")
 BALANCE_STRATEGIES = ("static", "cost", "dynamic")
 STRAGGLER_MODES = ("off", "deadline", "deadline+stale")
 # Gradient codecs (poise.comm.codecs.CODECS) plus torch's own hooks, for comparison.
-CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "torch-fp16", "torch-powersgd")
+CODEC_NAMES = ("none", "fp16", "bf16", "int8", "sign", "topk", "randomk", "powersgd", "auto", "torch-fp16",
+               "torch-powersgd")
 # codecs whose error per step is of the order of the gradient itself: they start compressing
 # after a longer uncompressed warm-up (CommConfig.compression_start)
-LOSSY_CODECS = ("sign", "topk", "randomk", "powersgd", "torch-powersgd")
+LOSSY_CODECS = ("sign", "topk", "randomk", "powersgd", "auto", "torch-powersgd")
 # codecs whose payload gives every entry the same magnitude, so that Adam's second moment would
 # measure the codec's scale instead of the gradient: with these, comm.freeze_variance=auto
 # freezes it (poise/optim.py has the measurements; sparse and low-rank codecs train better
@@ -334,6 +335,13 @@ class CommConfig:
     topk_ratio: float = _field(0.01, "topk/randomk: share of gradient entries sent, in (0, 1]")
     powersgd_rank: int = _field(8, "powersgd: rank of the approximation (code-lm: rank 4 costs 2.9%, 8 costs 1.5%)")
     int8_chunk_size: int = _field(1024, "int8: entries per scale (one fp32 scale per chunk)")
+    auto_trial_steps: int = _field(
+        8, "auto: PowerSGD's trial steps once compression starts, timed against the uncompressed steps before"
+    )
+    auto_margin: float = _field(
+        1.25, "auto: keep PowerSGD only if its median step times this is still below the uncompressed one "
+        "(a lossy step is worth less: PowerSGD needed ~1.2x DDP's steps to reach its loss on code-lm)"
+    )
     start_step: int | None = _field(
         None, "optimizer steps run uncompressed first (unset: 2, as DDP rebuilds its buckets after step 1; for "
         f"{', '.join(LOSSY_CODECS)}: a twentieth of the run and at least twice the learning-rate warm-up)"
@@ -366,6 +374,10 @@ class CommConfig:
             raise ValueError(f"comm.topk_ratio={self.topk_ratio} is outside (0, 1]")
         _positive("comm", "powersgd_rank", self.powersgd_rank, allow_none=False)
         _positive("comm", "int8_chunk_size", self.int8_chunk_size, allow_none=False)
+        if self.auto_trial_steps < 2:
+            raise ValueError(f"comm.auto_trial_steps={self.auto_trial_steps} must be >= 2 (the first is not timed)")
+        if not self.auto_margin >= 1.0:
+            raise ValueError(f"comm.auto_margin={self.auto_margin} must be >= 1")
         if self.start_step is not None and self.start_step < 0:
             raise ValueError(f"comm.start_step={self.start_step} must be >= 0")
         _positive("comm", "bucket_mb", self.bucket_mb, allow_none=False)
@@ -617,6 +629,9 @@ class RunConfig:
             raise ValueError(f"train.accum_steps={self.train.accum_steps} with straggler.mode={self.straggler.mode!r} "
                              "(or straggler.delay): a deadline step accumulates its own micro-batches "
                              "(straggler.micro_batches); use accum_steps=1")
+        if self.comm.codec == "auto" and (self.train.accum_steps != 1 or self.straggler.enabled):
+            raise ValueError(f"comm.codec='auto' times whole steps: it needs train.accum_steps=1 (not "
+                             f"{self.train.accum_steps}) and straggler.mode=off (not {self.straggler.mode!r})")
         if self.train.eval_every and self.comm.local_first:
             raise ValueError(f"train.eval_every={self.train.eval_every} with comm.local_first: the ranks' weights "
                              "differ during training, so only the final evaluation (of rank 0's) is meaningful")

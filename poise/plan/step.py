@@ -10,9 +10,9 @@ follows poise's reducers (``poise/comm/reducers.py``, ``wrappers.py``):
   one all-reduce of the payload, decode when it completes;
 - others (sign, topk, int8): encode in the hook, all-gather of every rank's payload, one
   fused decode of them all;
-- powersgd: round 1 (P and the dense entries) is waited for in the hook, so backward stops
-  for it; then Q is computed and round 2 runs in the background; the backend's all-reduce
-  whatever the collective, unless hierarchical;
+- powersgd: the whole bucket on its own communication thread, one bucket after the other
+  (project P, all-reduce P and the dense entries, compute Q, all-reduce Q, decode), while
+  backward goes on; the backend's all-reduce whatever the collective, unless hierarchical;
 - hierarchical with a codec: the whole bucket goes through node reduce, the leader's codec
   and its reduction between leaders, and the node broadcast, on the communication thread;
   hierarchical without one: the pipelined three-phase all-reduce.
@@ -271,7 +271,7 @@ def _predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, c
     hierarchical = resolve(config.collective, cluster, 1 << 30) == "hierarchical" and cluster.world_size > 1
     lowrank = isinstance(codec, PowerSGDCodec)
     leaders = Cluster(cluster.num_nodes, 1, cluster.intra, cluster.inter)
-    delay = 0.0  # backward seconds lost in hooks (encodes, PowerSGD's first round)
+    delay = 0.0  # backward seconds lost in hooks (encodes)
     channel_free = 0.0
     last_done = 0.0
     comm_total = codec_total = wire = link = 0.0
@@ -298,15 +298,12 @@ def _predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, c
             wire += raw
             link += _link_bytes(leaders, rounds, gathered, "flat")
         elif lowrank and len(rounds) == 2:
-            # round 1 is waited for in the hook: backward stops until it is back
-            enc1, enc2 = enc / 2, enc / 2
-            start = max(ready + enc1, channel_free)
-            end1 = start + all_reduce_s(cluster, rounds[0], "flat")
-            delay += end1 - ready + enc2
-            start2 = end1 + enc2
-            comm = end1 - start + all_reduce_s(cluster, rounds[1], "flat")
-            channel_free = start2 + all_reduce_s(cluster, rounds[1], "flat")
-            done = channel_free + dec
+            # on its own communication thread (wrappers.OnCommThread): backward goes on while
+            # the thread projects, reduces round 1, computes Q, reduces round 2 and decodes,
+            # one bucket after the other
+            comm = all_reduce_s(cluster, rounds[0], "flat") + all_reduce_s(cluster, rounds[1], "flat")
+            start = max(ready, channel_free)
+            channel_free = done = start + enc + comm + dec
             wire += sum(rounds)
             link += _link_bytes(cluster, rounds, False, "flat")
         else:

@@ -197,3 +197,18 @@ def test_periodic_evaluation_records_the_curve_and_stops_at_a_target_loss(tmp_pa
     assert curve[-1]["loss"] == report["eval_loss"] <= 1.0
     assert all(a["train_s"] < b["train_s"] for a, b in itertools.pairwise(curve))
     assert "reached train.stop_at_eval_loss=1: stopping" in proc.stderr
+
+
+def test_auto_codec_times_a_powersgd_trial_and_keeps_what_it_chose(tmp_path):
+    """comm.codec=auto: PowerSGD for the trial steps, then kept or dropped on every rank by the
+    measured medians; the steps after the trial show the choice in their bytes."""
+    proc = run_poise("train", "--task", "digits", "--nproc", "2", "--steps", "20", "--codec", "auto",
+                     "--comm.start_step", "5", "--comm.auto_trial_steps", "4", "--out", str(tmp_path), *QUIET)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(tmp_path)
+    trial = report["codec_trial"]
+    assert trial["start_step"] == 5 and trial["trial_steps"] == 4 and isinstance(trial["uses_codec"], bool)
+    assert trial["uses_codec"] == (trial["codec_step_s"] * trial["margin"] < trial["uncompressed_step_s"])
+    assert "comm.codec=auto: median step" in proc.stderr
+    compressed = report["comm_wire_bytes_per_step"] < report["comm_raw_bytes_per_step"]  # the median step
+    assert compressed == trial["uses_codec"]

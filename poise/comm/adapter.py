@@ -93,7 +93,14 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
     up or bypassed; a bypassed bucket counts no step)."""
     if state.bypassing:
         return state.uncompressed.reduce(bucket.buffer(), key=bucket.index())
-    reducer = state.reducer if state.compressing else state.uncompressed
+    compressing = state.compressing
+    reducer = state.reducer if compressing else state.uncompressed
+    weight = state.weight if state.weight is not None else 1.0 / dist.get_world_size()
+    if not compressing and state.trial is not None and isinstance(state.codec, ErrorFeedback) and weight:
+        # the trial dropped the codec: what it held back goes out now, with this gradient
+        residual = state.codec.pop_residual(bucket.index())
+        if residual is not None and residual.numel() == bucket.buffer().numel():
+            bucket.buffer().view(-1).add_(residual, alpha=1.0 / weight)  # the reducer multiplies by weight
     # the parameters' shapes: low rank compresses each weight matrix of the bucket on its own
     shapes = [p.shape for p in bucket.parameters()]
     fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight, shapes=shapes)

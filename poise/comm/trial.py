@@ -5,7 +5,8 @@ hides behind and on what the codec costs on this machine's cores, and a lossy co
 worth less than an uncompressed one (PowerSGD needed about 1.2x the steps of plain DDP to reach
 its loss on code-lm; ``poise bench network``). Measured step times settle all of it at once:
 the steps before compression starts are uncompressed anyway, so the trial costs only the
-codec's first ``steps`` steps.
+codec's first ``steps`` steps. When the codec is dropped, error feedback's residuals go out
+with the next uncompressed step (``adapter.compressed_hook``): nothing the trial held back is lost.
 
 :class:`CodecTrial` is the decision alone (no process group): it is told each step's seconds
 and, once it has both kinds, :meth:`CodecTrial.decide` compares the medians. The session makes

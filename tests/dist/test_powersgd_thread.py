@@ -64,3 +64,50 @@ def test_powersgd_reduces_on_its_thread_and_keeps_the_error_feedback_invariant()
             torch.testing.assert_close(got[0], got[1], atol=0, rtol=0)
             want = sum(r["calls"][call]["sent"][key] for r in results)
             torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-5, msg=f"call {call} bucket {key}")
+
+
+def _dropped_trial(rank: int, world_size: int) -> dict:
+    """A trial that drops PowerSGD: the next uncompressed step carries what error feedback held
+    back, so the gradient is the plain mean plus the mean residual (nothing lost)."""
+    import copy
+
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from poise.comm.adapter import compressed_hook
+    from poise.comm.trial import CodecTrial
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    ddp = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=1000)  # one bucket
+    trial = CodecTrial(3, steps=2)
+    state = poise.comm.make_state("powersgd", rank=2, start_step=3, trial=trial)
+    ddp.register_comm_hook(state, compressed_hook)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(10 * step + rank)
+        return torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)
+
+    for step in range(4):  # 0-2 uncompressed, 3 compressed: a residual is left
+        ddp.zero_grad()
+        x, y = batch(step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+    residual = state.codec.residual(0).clone()
+    trial.decide(1.0, 1.0)  # not faster: dropped
+    ddp.zero_grad()
+    x, y = batch(4)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    local = copy.deepcopy(ddp.module)
+    local.zero_grad()
+    nn.functional.mse_loss(local(x), y).backward()
+    expected = torch.stack([sum(p.grad.sum() for p in local.parameters()), residual.sum() * world_size])
+    dist.all_reduce(expected)
+    return {"got": float(sum(p.grad.sum() for p in ddp.parameters())), "want": float(expected.sum() / world_size),
+            "residual_sum": float(residual.abs().sum()), "left": state.codec.residual(0)}
+
+
+def test_a_dropped_trial_sends_what_error_feedback_held_back():
+    results = run_ranks(_dropped_trial, world_size=2, timeout_s=90)
+    for r in results:
+        assert r["residual_sum"] > 0 and r["left"] is None
+        assert r["got"] == pytest.approx(r["want"], rel=1e-4, abs=1e-5)

@@ -150,6 +150,34 @@ FROM_OTHER_PAGES: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# -- what some commands must show besides exiting 0 -------------------------------------------
+
+
+def _demo_shows_the_comparison(result: subprocess.CompletedProcess[str], workspace: Path) -> None:
+    """``make demo``: the table of ratios, compare.png, the diagnosis naming the slow rank, and the
+    slow-network pair run where a cluster can be built (else one line saying why not)."""
+    import json
+
+    out = workspace / "runs" / "demo"
+    assert "poise / baseline" in result.stdout and str(Path("runs/demo/compare.png")) in result.stdout
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    data = json.loads((out / "demo.json").read_text())
+    assert data["diagnosis"]["rule"] == "straggler" and data["diagnosis"]["rank"] == 1, data["diagnosis"]
+    pairs = [r["pair"] for r in data["ratios"]]
+    if cluster_support() is None:
+        assert pairs == ["slow-rank", "slow-link"], pairs
+    else:
+        assert pairs == ["slow-rank"] and "slow-network pair skipped: " in result.stdout, pairs
+    for row in data["runs"]:
+        assert (Path(row["dir"]) / "report.json").is_file() and (Path(row["dir"]) / "trace.json").is_file()
+
+
+# pattern -> check of the result and the page's workspace, after the command exited 0
+EXPECT: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
+    r"^make demo$": _demo_shows_the_comparison,
+}
+
+
 # -- how a command is run here --------------------------------------------------------------
 
 
@@ -406,12 +434,15 @@ def test_command(command: Command, runner: Runner) -> None:
     places = [c.where for c in all_commands() if c.text == command.text]
     assert result.returncode == 0, (f"{' and '.join(places)}: {command.text.splitlines()[0]}\nran: {p.run_text}\n"
                                     f"exit {result.returncode}\n{_tail(result)}")
+    for pattern, check in EXPECT.items():
+        if re.search(pattern, without_comment(command.text)):
+            check(result, runner.workspace(command.page).path)
 
 
 @pytest.mark.timeout(60)
 def test_every_table_entry_matches_a_command() -> None:
     texts = [without_comment(c.text.split("\n")[0]) for c in all_commands()]
-    patterns = [p for p, _ in CHECKED] + [p for p, _, _ in VARIANTS] + NEEDS_CLUSTER
+    patterns = [p for p, _ in CHECKED] + [p for p, _, _ in VARIANTS] + NEEDS_CLUSTER + list(EXPECT)
     unused = [p for p in patterns if not any(re.search(p, t) for t in texts)]
     assert not unused, f"entries that match no command of the pages (remove them): {unused}"
     assert all(reason.strip() for _, reason in CHECKED) and all(r.strip() for _, _, r in VARIANTS)

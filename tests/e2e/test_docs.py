@@ -16,6 +16,9 @@ Commands are the lines of the pages' ```bash blocks (a trailing ``\\`` joins the
   needs root, ``ip`` and ``tc`` (:data:`NEEDS_CLUSTER`) runs where they are available and is
   checked elsewhere, saying why.
 
+Some commands must show more than an exit code of 0 (:data:`EXPECT`: ``make demo`` its table,
+``compare.png`` and the diagnosis naming the slow rank).
+
 Nothing else: a new command in a page is run by default, and every entry of the tables must
 match a command of the pages (:func:`test_every_table_entry_matches_a_command`). Pages that
 read another page's outputs name them in :data:`FROM_OTHER_PAGES`. Links between the pages

@@ -16,8 +16,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev,lightning,accelerate]'
 	touch $@
 
+# static sharding vs poise's balancing with a half-speed rank, the diagnosis of the static run,
+# and (root, ip, tc) plain DDP vs compression over emulated 1 Gbit/s links: poise/bench/demo.py
 demo: venv
-	$(BIN)/poise train --task code-lm --nproc 2 --steps 40 --out runs/demo
+	$(BIN)/poise demo --out runs/demo
 
 test: venv
 	$(BIN)/python -m pytest -q

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from poise.cli import bench, checkpoint, cluster, diagnose, pipeline, plan, train
+from poise.cli import bench, checkpoint, cluster, demo, diagnose, pipeline, plan, train
 from poise.log import setup_logging
 
 log = logging.getLogger("poise.cli")
@@ -25,6 +25,7 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="poise", description="Balanced, communication-efficient distributed training.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    demo.add_parser(sub)
     train.add_parser(sub)
     pipeline.add_parser(sub)
     bench.add_parser(sub)

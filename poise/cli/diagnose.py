@@ -27,12 +27,12 @@ from typing import Any
 from poise import config as cfg
 from poise.cluster import job as cluster_job
 from poise.diagnostics import busbw, host, rules
+from poise.diagnostics.report import VERDICT_STYLE, show_findings
 from poise.diagnostics.run import load_run
 from poise.launch.job import launch_job
 from poise.log import make_console
 
 DIAGNOSTICS: dict[str, ModuleType] = {"busbw": busbw}
-VERDICT_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "problem": "bold red"}
 
 
 def add_parser(sub: Any) -> None:
@@ -112,24 +112,7 @@ def _run_rules(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps([f.to_dict() for f in findings], indent=2) + "\n")
         return 0
-    from rich.table import Table
-
-    table = Table(title=f"poise diagnose run {args.dir}")
-    for header in ("verdict", "rule", "rank", "finding", "threshold"):
-        table.add_column(header)
-    for f in findings:
-        style = VERDICT_STYLE[f.verdict]
-        table.add_row(f"[{style}]{f.verdict}[/]", f.rule, "" if f.rank is None else str(f.rank), f.summary,
-                      f.threshold)
-    console = make_console()
-    console.print(table)
-    for f in findings:
-        if f.verdict != "ok":
-            figures = ", ".join(f"{k} {v}" for k, v in f.evidence.items())
-            console.print(f"[{VERDICT_STYLE[f.verdict]}]{f.rule}[/]: {f.summary}\n  evidence: {figures}\n"
-                          f"  try: {f.advice}", highlight=False)
-    if all(f.verdict == "ok" for f in findings):
-        console.print("no problem found")
+    show_findings(make_console(), findings, f"poise diagnose run {args.dir}")
     return 0
 
 

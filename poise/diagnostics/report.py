@@ -28,6 +28,7 @@ allocations, and is not what a user's run looks like.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,40 +139,98 @@ def write_outputs(out: Path, report: dict, table: np.ndarray, *, plot: bool) -> 
         plot_timeline(table, out / "timeline.png")
 
 
-def plot_timeline(table: np.ndarray, path: str | Path) -> Path:
-    """Per-rank stacked bars per step: compute, communication, idle, data + optimizer.
+# (label, color) of the stacked bars, bottom to top, in timeline.png and compare.png alike
+_PHASES = (
+    ("compute", "#4c72b0"),
+    ("communication", "#dd8452"),
+    ("idle (waiting for slowest)", "#c44e52"),
+    ("data + optimizer", "#8c8c8c"),
+)
+
+
+def _timeline_parts(table: np.ndarray) -> list[np.ndarray]:
+    """The stacked parts of every rank's step, ``[ranks, steps]`` seconds each, in :data:`_PHASES` order.
 
     Idle is the time a rank's compute was shorter than the slowest rank's in that step; the
-    communication bar is the blocked time beyond that idle.
+    communication part is the blocked time beyond that idle.
+    """
+    compute = column(table, "compute_s")
+    idle = compute.max(axis=0, keepdims=True) - compute
+    comm = np.clip(column(table, "comm_wait_s") - idle, 0, None)
+    idle = np.minimum(idle, column(table, "comm_wait_s"))
+    other = column(table, "data_s") + column(table, "optim_s")
+    return [compute, comm, idle, other]
+
+
+def draw_timeline(axes: Sequence[Any], table: np.ndarray) -> None:
+    """Draw ``table``'s per-rank stacked bars per step into ``axes`` (one matplotlib Axes per rank)."""
+    steps = table.shape[1]
+    parts = _timeline_parts(table)
+    x = np.arange(steps)
+    for r, ax in enumerate(axes):
+        bottom = np.zeros(steps)
+        for values, (label, color) in zip(parts, _PHASES, strict=True):
+            ax.bar(x, values[r], bottom=bottom, width=1.0, color=color, label=label, linewidth=0)
+            bottom += values[r]
+
+
+def plot_timeline(table: np.ndarray, path: str | Path) -> Path:
+    """Per-rank stacked bars per step: compute, communication, idle, data + optimizer (seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = table.shape[0]
+    fig, axes = plt.subplots(ranks, 1, figsize=(10, 1.8 + 1.6 * ranks), sharex=True, squeeze=False)
+    draw_timeline(axes[:, 0], table)
+    for r, ax in enumerate(axes[:, 0]):
+        ax.set_ylabel(f"rank {r}\nseconds")
+    axes[0, 0].legend(loc="upper right", fontsize="small", ncol=4)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle("Per-rank step time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_timelines(panels: Sequence[tuple[str, np.ndarray]], path: str | Path, *, title: str = "",
+                   pairs: Sequence[tuple[int, int]] = ()) -> Path:
+    """Several runs' timelines side by side: one column per run (``(title, table)`` panels), one
+    row per rank, drawn as :func:`plot_timeline` draws one run.
+
+    ``pairs``: columns whose runs are compared (a baseline and poise); they share one y scale
+    in seconds, so that a shorter bar is a shorter step. Every other column has its own.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ranks, steps = table.shape[0], table.shape[1]
-    compute = column(table, "compute_s")
-    idle = compute.max(axis=0, keepdims=True) - compute
-    comm = np.clip(column(table, "comm_wait_s") - idle, 0, None)
-    idle = np.minimum(idle, column(table, "comm_wait_s"))
-    other = column(table, "data_s") + column(table, "optim_s")
-    x = np.arange(steps)
-    fig, axes = plt.subplots(ranks, 1, figsize=(10, 1.8 + 1.6 * ranks), sharex=True, squeeze=False)
-    for r, ax in enumerate(axes[:, 0]):
-        bottom = np.zeros(steps)
-        for values, label, color in (
-            (compute[r], "compute", "#4c72b0"),
-            (comm[r], "communication", "#dd8452"),
-            (idle[r], "idle (waiting for slowest)", "#c44e52"),
-            (other[r], "data + optimizer", "#8c8c8c"),
-        ):
-            ax.bar(x, values, bottom=bottom, width=1.0, color=color, label=label, linewidth=0)
-            bottom += values
-        ax.set_ylabel(f"rank {r}\nseconds")
-    axes[0, 0].legend(loc="upper right", fontsize="small", ncol=4)
-    axes[-1, 0].set_xlabel("step")
-    fig.suptitle("Per-rank step time")
-    fig.tight_layout()
+    if not panels:
+        raise ValueError("plot_timelines: no runs to draw")
+    ranks = max(table.shape[0] for _, table in panels)
+    fig, axes = plt.subplots(ranks, len(panels), figsize=(3.6 * len(panels) + 0.8, 1.4 + 1.5 * ranks),
+                             squeeze=False)
+    for c, (name, table) in enumerate(panels):
+        draw_timeline(axes[: table.shape[0], c], table)
+        for ax in axes[table.shape[0]:, c]:
+            ax.set_visible(False)
+        axes[0, c].set_title(name, fontsize="medium")
+        axes[table.shape[0] - 1, c].set_xlabel("step")
+    for r in range(ranks):
+        axes[r, 0].set_ylabel(f"rank {r}\nseconds")
+    for group in pairs:
+        top = max(axes[r, c].get_ylim()[1] for c in group for r in range(ranks) if axes[r, c].get_visible())
+        for c in group:
+            for r in range(ranks):
+                axes[r, c].set_ylim(0, top)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small", frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
@@ -206,3 +265,28 @@ def summary_table(report: dict[str, Any]) -> Any:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+VERDICT_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "problem": "bold red"}
+
+
+def show_findings(console: Any, findings: Sequence[Any], title: str) -> None:
+    """Print diagnosis findings (:class:`poise.diagnostics.rules.Finding`, worst first) on a rich
+    ``console``: one table row per rule, then the evidence and what to try for each that is not ok."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for header in ("verdict", "rule", "rank", "finding", "threshold"):
+        table.add_column(header)
+    for f in findings:
+        style = VERDICT_STYLE[f.verdict]
+        table.add_row(f"[{style}]{f.verdict}[/]", f.rule, "" if f.rank is None else str(f.rank), f.summary,
+                      f.threshold)
+    console.print(table)
+    for f in findings:
+        if f.verdict != "ok":
+            figures = ", ".join(f"{k} {v}" for k, v in f.evidence.items())
+            console.print(f"[{VERDICT_STYLE[f.verdict]}]{f.rule}[/]: {f.summary}\n  evidence: {figures}\n"
+                          f"  try: {f.advice}", highlight=False)
+    if all(f.verdict == "ok" for f in findings):
+        console.print("no problem found")

@@ -1,0 +1,511 @@
+"""Every command in README.md and docs/*.md is run, so that none goes stale (issue 18).
+
+Commands are the lines of the pages' ```bash blocks (a trailing ``\\`` joins the next line; a
+``<<'EOF'`` here-document runs with its body). Each one is, by the tables below:
+
+- **run** as written, in a workspace of its page, after the page's earlier commands (a page
+  reads top to bottom: ``runs/a`` of one command is there for the next), with the argument
+  rewrites of :data:`REWRITES` applied in order (fewer steps, shorter samples: the same code
+  paths in seconds). The command must exit 0.
+- **run as a smaller variant** (:data:`VARIANTS`): the command makes what a later one reads
+  (``runs/bench-codecs``) but takes minutes as written; the variant and its reason are listed.
+- **checked, not run** (:data:`CHECKED`, with the reason: needs a second machine, takes many
+  minutes, is this test suite itself...): its arguments are parsed by the poise CLI's own
+  parser and, for ``poise train``/``pipeline`` (and a bench's flags after ``--``), resolved
+  into a validated config, so a renamed flag or setting still fails here. A command that
+  needs root, ``ip`` and ``tc`` (:data:`NEEDS_CLUSTER`) runs where they are available and is
+  checked elsewhere, saying why.
+
+Some commands must show more than an exit code of 0 (:data:`EXPECT`: ``make demo`` its table,
+``compare.png`` and the diagnosis naming the slow rank).
+
+Nothing else: a new command in a page is run by default, and every entry of the tables must
+match a command of the pages (:func:`test_every_table_entry_matches_a_command`). Pages that
+read another page's outputs name them in :data:`FROM_OTHER_PAGES`. Links between the pages
+are checked too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+COMMAND_TIMEOUT_S = 420.0
+# a cluster of this test's own: the docs' commands use the default name, which another job may hold
+CLUSTER_NAME = f"docs{os.getpid() % 100000}"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command of a page: its text as written (continuations joined) and where it is."""
+
+    text: str
+    page: str  # path relative to the repository root
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def extract_commands(page: Path) -> list[Command]:
+    """The commands of ``page``'s ```bash blocks, in order (comment-only and blank lines dropped)."""
+    commands: list[Command] = []
+    lines = page.read_text().splitlines()
+    rel = str(page.relative_to(ROOT))
+    i, in_bash = 0, False
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("```"):
+            in_bash = not in_bash and line.strip() == "```bash"
+            i += 1
+            continue
+        if not in_bash or not line.strip() or line.lstrip().startswith("#"):
+            i += 1
+            continue
+        start, text = i + 1, line
+        while text.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            text = text[:-1].rstrip() + " " + lines[i].strip()
+        heredoc = re.search(r"<<-?\s*'?(\w+)'?", text)
+        if heredoc:
+            body = []
+            while i + 1 < len(lines) and lines[i + 1].strip() != heredoc.group(1):
+                i += 1
+                body.append(lines[i])
+            i += 1  # the delimiter
+            text = "\n".join([text, *body, heredoc.group(1)])
+        commands.append(Command(text, rel, start))
+        i += 1
+    return commands
+
+
+def without_comment(text: str) -> str:
+    """The command without its trailing ``# comment`` (a ``#`` after a space, outside quotes;
+    first line only: a here-document's body is kept as it is)."""
+    first, *rest = text.split("\n")
+    quote = ""
+    for i, ch in enumerate(first):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or first[i - 1].isspace()):
+            first = first[:i]
+            break
+    return "\n".join([first.rstrip(), *rest])
+
+
+# -- what is not run, and why -----------------------------------------------------------
+
+COVERED = "tests/e2e/test_bench_cli.py runs it at CI size"
+# (pattern searched in the command, reason): parsed and resolved, not run
+CHECKED: list[tuple[str, str]] = [
+    (r"^make test$", "the whole test suite, of which this test is a part"),
+    (r"--rdzv-endpoint (host0|10\.0\.0\.1):", "a job across real machines: it waits for the other one to join "
+                                              "(tests/cluster runs multi-node jobs on the emulated cluster)"),
+    (r"^poise cluster down --all", "removes every poise cluster on the machine, other jobs' included"),
+    (r"^poise bench balance", f"six jobs of 150 steps; {COVERED}"),
+    (r"^poise bench stragglers", "2 x 4 delay models x 3 seeds, many minutes; "
+                                 "tests/e2e/test_bench_stragglers.py runs it at CI size"),
+    (r"^poise bench codecs --kernels '' --task code-lm --steps 300 -- ", f"300-step runs of every codec; {COVERED}"),
+    (r"^poise bench diagnose", "one 80-step job per injected cause; tests/e2e/test_diagnose_run_cli.py runs it "
+                               "at CI size"),
+    (r"^(sudo \S*poise|poise) bench faults", "a soak of many fault runs; tests/e2e/test_bench_faults.py runs a slice"),
+    (r"^poise bench checkpoint", "seven 40-step jobs with checkpoints; tests/e2e/test_bench_cli.py checks its "
+                                 "arguments, tests/e2e/test_restart.py the checkpoints"),
+    (r"^poise bench partition", f"profiles, brute force over random costs and real pipelines; {COVERED}"),
+    (r"^poise bench scaling", f"three real jobs; {COVERED}"),
+    (r"^(sudo \S*poise|poise) bench network", "every codec over three emulated link rates, many minutes; "
+                                              "tests/cluster/test_bench_network.py runs it at CI size"),
+    (r"^(sudo \S*poise|poise) bench plan", "45 jobs on the emulated cluster, about 17 minutes; "
+                                           "tests/cluster/test_bench_plan.py runs it at CI size"),
+]
+# commands that need root, ip and tc: run where those are, checked elsewhere
+NEEDS_CLUSTER = [r"^poise cluster ", r"--cluster \d", r"^sudo "]
+# (pattern, the smaller command run instead, why): it makes what a later command of its page reads
+VARIANTS: list[tuple[str, str, str]] = [
+    (r"^poise bench codecs .*--out runs/bench-codecs",
+     "poise bench codecs --kernels '' --codecs none,fp16 --steps 20 --out runs/bench-codecs",
+     "the codecs.json `poise plan --codec-results` reads, from two codecs on digits instead of all on code-lm"),
+]
+# page -> paths it reads that another page's commands make there: (path, the page that makes it)
+FROM_OTHER_PAGES: dict[str, list[tuple[str, str]]] = {
+    "docs/train.md": [("runs/demo", "README.md")],
+    "docs/diagnosis.md": [("runs/demo", "README.md")],
+}
+
+
+# -- what some commands must show besides exiting 0 -------------------------------------------
+
+
+def _demo_shows_the_comparison(result: subprocess.CompletedProcess[str], workspace: Path) -> None:
+    """``make demo``: the table of ratios, compare.png, the diagnosis naming the slow rank, and the
+    slow-network pair run where a cluster can be built (else one line saying why not)."""
+    import json
+
+    out = workspace / "runs" / "demo"
+    assert "poise / baseline" in result.stdout and str(Path("runs/demo/compare.png")) in result.stdout
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    data = json.loads((out / "demo.json").read_text())
+    assert data["diagnosis"]["rule"] == "straggler" and data["diagnosis"]["rank"] == 1, data["diagnosis"]
+    pairs = [r["pair"] for r in data["ratios"]]
+    if cluster_support() is None:
+        assert pairs == ["slow-rank", "slow-link"], pairs
+    else:
+        assert pairs == ["slow-rank"] and "slow-network pair skipped: " in result.stdout, pairs
+    for row in data["runs"]:
+        assert (Path(row["dir"]) / "report.json").is_file() and (Path(row["dir"]) / "trace.json").is_file()
+
+
+# pattern -> check of the result and the page's workspace, after the command exited 0
+EXPECT: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
+    r"^make demo$": _demo_shows_the_comparison,
+}
+
+
+# -- how a command is run here --------------------------------------------------------------
+
+
+def _scale(match: re.Match[str]) -> str:
+    """A tenth of a step count (at least 2), so counts keep their order: a resumed run's steps
+    stay above its first run's, a fault step below the run's steps."""
+    return f"{match.group(1)}{max(2, math.ceil(int(match.group(2)) / 10))}"
+
+
+def _scale_every(match: re.Match[str]) -> str:
+    return f"{match.group(1)}{max(1, math.ceil(int(match.group(2)) / 10))}"
+
+
+def _cap_seq_len(match: re.Match[str]) -> str:
+    return f"--max-seq-len {min(64, int(match.group(1)))}"
+
+
+def _makefile_recipe(match: re.Match[str]) -> str:
+    recipe = makefile_recipe(match.group(1))
+    return recipe.replace("$(BIN)/", "")
+
+
+@cache
+def makefile_recipe(target: str) -> str:
+    """The recipe of ``target`` in the Makefile (its single command line)."""
+    text = (ROOT / "Makefile").read_text()
+    found = re.search(rf"^{re.escape(target)}:.*\n\t(.+)$", text, re.M)
+    assert found, f"the Makefile has no target {target!r}"
+    return found.group(1)
+
+
+TRAINING = r"poise (?:train|pipeline)\b"
+# (pattern, replacement, why), applied in this order to every command that is run
+REWRITES: list[tuple[str, str | Callable[[re.Match[str]], str], str]] = [
+    (r"^make (\w+)$", _makefile_recipe, "make TARGET runs its recipe; the venv it depends on runs this test"),
+    (r"^sudo ", "", "this test runs as root where it runs commands that need root"),
+    (r"\S*\.venv/bin/poise\b", "poise", "the interpreter running the tests is first on PATH"),
+    (r"(--steps )(\d+)", _scale, "a tenth of the steps (at least 2): the same code paths, sooner"),
+    (r"(--checkpoint-every )(\d+)", _scale_every, "scaled with the steps"),
+    (r"(--fail-at \d+:)(\d+)", _scale, "scaled with the steps"),
+    (r"--max-seq-len (\d+)", _cap_seq_len, "code-lm samples of at most 64 bytes"),
+    (r"--max-bytes \S+", "--max-bytes 1M", "bus bandwidth up to 1 MB, not 64 MB-1 GB"),
+    (r"--metrics\.port \d+", "--metrics.port 0", "a free port: the docs' one may be taken here"),
+    (r"(?<=[\s=])/shared/", "shared/", "a shared filesystem's path, inside the workspace"),
+    (r"^(poise cluster (?:up|down|check|run))\b", rf"\1 --name {CLUSTER_NAME}",
+     "a cluster of this test's own: the default name may be another job's"),
+]
+# what every code-lm job of a command gets unless the command sets it (--task digits: not code-lm)
+SMALL_CODE_LM = ("--max-seq-len", "64", "--task.eval_max_samples", "16")
+DEFAULT_STEPS = "10"  # a tenth of poise train's default of 100
+
+
+def rewrite(text: str) -> str:
+    """``text`` as this test runs it: :data:`REWRITES`, then, for a code-lm training command,
+    :data:`SMALL_CODE_LM` and (without --steps/--epochs) :data:`DEFAULT_STEPS` appended."""
+    first, *body = text.split("\n")
+    command = without_comment(first)
+    for pattern, replacement, _ in REWRITES:
+        command = re.sub(pattern, replacement, command)
+    if re.search(TRAINING, command):
+        extra: list[str] = []
+        if "--task digits" not in command:
+            for flag, value in zip(SMALL_CODE_LM[::2], SMALL_CODE_LM[1::2], strict=True):
+                if flag not in command:
+                    extra += [flag, value]
+        if not re.search(r"--(steps|epochs) ", command):  # (a --config file's steps too: flags override it)
+            extra += ["--steps", DEFAULT_STEPS]
+        command = " ".join([command, *extra])
+    if re.search(r"^poise demo\b", command):
+        command += " --steps 12 --network-steps 4 -- " + " ".join(SMALL_CODE_LM)
+    if re.search(r"-m poise\.diagnostics\.busbw|^poise diagnose busbw", command) and "--max-bytes" not in command:
+        command += " --max-bytes 1M"
+    return "\n".join([command, *body])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What this test does with a command: ``mode`` run, variant or checked; ``run_text`` the text
+    run (or parsed); ``reason`` why it is not run as written."""
+
+    command: Command
+    mode: str
+    run_text: str
+    reason: str = ""
+
+
+@cache
+def cluster_support() -> str | None:
+    """Why an emulated cluster cannot be built here (one line), or None when it can."""
+    from poise.cluster import net
+
+    try:
+        net.require_support()
+    except net.NetError as exc:
+        return str(exc)
+    return None
+
+
+def plan(command: Command) -> Plan:
+    """Run, variant or checked (see the module docstring), with the reason."""
+    text = without_comment(command.text.split("\n")[0])
+    for pattern, reason in CHECKED:
+        if re.search(pattern, text):
+            return Plan(command, "checked", text, reason)
+    for pattern, smaller, reason in VARIANTS:
+        if re.search(pattern, text):
+            return Plan(command, "variant", rewrite(smaller), reason)
+    if any(re.search(p, text) for p in NEEDS_CLUSTER) and cluster_support() is not None:
+        return Plan(command, "checked", text, f"needs an emulated cluster: {cluster_support()}")
+    return Plan(command, "run", rewrite(command.text))
+
+
+@cache
+def all_commands() -> tuple[Command, ...]:
+    return tuple(c for page in PAGES for c in extract_commands(page))
+
+
+@cache
+def _first_places() -> dict[str, Command]:
+    seen: dict[str, Command] = {}
+    for c in all_commands():
+        seen.setdefault(c.text, c)
+    return seen
+
+
+def first_place(text: str) -> Command:
+    """Where a command text first appears: it is run there (the README's tour repeats some of the pages')."""
+    return _first_places()[text]
+
+
+def _unique() -> list[Command]:
+    """Each command text once, at its first place."""
+    return list(_first_places().values())
+
+
+# -- workspaces: one per page, commands in page order ---------------------------------------
+
+
+@dataclass
+class Workspace:
+    """A page's directory: its commands run there in order, each at most once."""
+
+    path: Path
+    done: dict[str, subprocess.CompletedProcess[str]] = field(default_factory=dict)
+
+
+class Runner:
+    """Runs commands in their page's workspace, earlier commands of the page first (once each)."""
+
+    def __init__(self, root: Path, cache_home: Path) -> None:
+        self.root = root
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(cache_home),
+                    "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.spaces: dict[str, Workspace] = {}
+
+    def workspace(self, page: str) -> Workspace:
+        if page not in self.spaces:
+            path = self.root / page.replace("/", "_").removesuffix(".md")
+            path.mkdir(parents=True)
+            (path / "examples").symlink_to(ROOT / "examples")  # the pages' commands run from the repository root
+            self.spaces[page] = Workspace(path)
+            for rel, other in FROM_OTHER_PAGES.get(page, []):
+                self.run_page_until(other, None)
+                source = self.workspace(other).path / rel
+                assert source.exists(), f"{other} was to make {rel} for {page}"
+                shutil.copytree(source, path / rel, symlinks=True)
+        return self.spaces[page]
+
+    def run_page_until(self, page: str, stop: Command | None) -> None:
+        """Every runnable command of ``page`` before ``stop`` (all when None), each once."""
+        for c in all_commands():
+            if c == stop:
+                return
+            # a command repeated from an earlier page (the README's tour) runs at its first place only
+            if c.page != page or first_place(c.text) != c:
+                continue
+            p = plan(c)
+            if p.mode == "checked":
+                continue
+            result = self.run(p)
+            if result.returncode != 0:
+                pytest.fail(f"an earlier command of {page} failed ({c.where}: {c.text.splitlines()[0]}), exit "
+                            f"{result.returncode}:\n{_tail(result)}")
+
+    def run(self, p: Plan) -> subprocess.CompletedProcess[str]:
+        space = self.workspace(p.command.page)
+        key = p.command.text
+        if key not in space.done:
+            space.done[key] = subprocess.run(["bash", "-c", p.run_text], cwd=space.path, env=self.env,
+                                             capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        return space.done[key]
+
+    def close(self) -> None:
+        """Take this test's cluster down, in case a page's commands brought it up and stopped before
+        its ``down`` (a failed command)."""
+        if cluster_support() is None:
+            subprocess.run(["bash", "-c", f"poise cluster down --name {CLUSTER_NAME}"], env=self.env,
+                           capture_output=True, timeout=120)
+
+
+def _tail(result: subprocess.CompletedProcess[str]) -> str:
+    return (result.stdout[-1500:] + "\n" + result.stderr[-3000:]).strip()
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterator[Runner]:
+    cache_home = tmp_path_factory.mktemp("docs-cache")
+    (cache_home / "poise").symlink_to(cache_dir)  # the session's corpus index (code_lm's $XDG_CACHE_HOME/poise)
+    runner = Runner(Path(tempfile.mkdtemp(prefix="poise-docs-", dir=tmp_path_factory.getbasetemp())), cache_home)
+    yield runner
+    runner.close()
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def check_arguments(text: str) -> None:
+    """Parse ``text`` with poise's own parser and resolve a training command's config: a renamed
+    flag or setting fails here although the command is not run."""
+    from poise import cli
+    from poise.cli.flags import resolve
+
+    words = shlex.split(re.sub(r"^sudo ", "", text))
+    if words[:2] == ["make", "test"]:
+        assert makefile_recipe("test")
+        return
+    assert re.fullmatch(r"(\S*/)?poise", words[0]), f"only poise commands can be checked without running: {text}"
+    parser = cli.build_parser()
+    try:
+        args = parser.parse_args(words[1:])
+    except SystemExit as exc:
+        raise AssertionError(f"poise rejects the arguments of {text!r} (exit {exc.code})") from None
+    if args.command in ("train", "pipeline"):
+        resolve(args)
+    forwarded = getattr(args, "train_args", None)
+    if args.command == "bench" and forwarded:
+        resolve(parser.parse_args(["train", *forwarded]))
+
+
+def _id(c: Command) -> str:
+    text = without_comment(c.text.split("\n")[0])
+    return f"{c.where} {text[:70]}"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("command", _unique(), ids=_id)
+def test_command(command: Command, runner: Runner) -> None:
+    p = plan(command)
+    if p.mode == "checked":
+        check_arguments(p.run_text)
+        return
+    runner.run_page_until(command.page, command)
+    result = runner.run(p)
+    places = [c.where for c in all_commands() if c.text == command.text]
+    assert result.returncode == 0, (f"{' and '.join(places)}: {command.text.splitlines()[0]}\nran: {p.run_text}\n"
+                                    f"exit {result.returncode}\n{_tail(result)}")
+    for pattern, check in EXPECT.items():
+        if re.search(pattern, without_comment(command.text)):
+            check(result, runner.workspace(command.page).path)
+
+
+@pytest.mark.timeout(60)
+def test_every_table_entry_matches_a_command() -> None:
+    texts = [without_comment(c.text.split("\n")[0]) for c in all_commands()]
+    patterns = [p for p, _ in CHECKED] + [p for p, _, _ in VARIANTS] + NEEDS_CLUSTER + list(EXPECT)
+    unused = [p for p in patterns if not any(re.search(p, t) for t in texts)]
+    assert not unused, f"entries that match no command of the pages (remove them): {unused}"
+    assert all(reason.strip() for _, reason in CHECKED) and all(r.strip() for _, _, r in VARIANTS)
+    pattern_rewrites = [p for p, _, _ in REWRITES]
+    unused = [p for p in pattern_rewrites if not any(re.search(p, t) for t in texts)]
+    assert not unused, f"rewrites that change no command (remove them): {unused}"
+    for page, needs in FROM_OTHER_PAGES.items():
+        assert (ROOT / page).is_file() and all((ROOT / other).is_file() for _, other in needs), page
+    # every command is run, run as a variant or checked with a reason: nothing else
+    for c in all_commands():
+        p = plan(c)
+        assert p.mode in ("run", "variant", "checked") and (p.mode == "run" or p.reason), c.where
+
+
+@pytest.mark.timeout(60)
+def test_every_page_has_commands_and_the_readme_starts_with_the_two() -> None:
+    found = {c.page for c in all_commands()}
+    for page in PAGES:
+        rel = str(page.relative_to(ROOT))
+        if rel not in ("docs/elastic-scheduling.md", "docs/layout.md"):  # a design note, a source map
+            assert rel in found, f"{rel} has no ```bash command"
+    readme = [without_comment(c.text) for c in all_commands() if c.page == "README.md"]
+    assert readme[:2] == ["make demo", "make test"], readme[:2]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.timeout(60)
+def test_links_between_pages_resolve() -> None:
+    broken = []
+    for page in PAGES:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+                continue
+            if anchor and dest.suffix == ".md":
+                headings = [_slug(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), re.M)]
+                if anchor not in headings:
+                    broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+@pytest.mark.timeout(60)
+def test_rewrites_keep_step_counts_in_order() -> None:
+    # the checkpoint page resumes a run with more steps than it had: still more after the rewrite
+    first = rewrite("poise train --checkpoint-every 50 --out runs/a --steps 200")
+    resumed = rewrite("poise train --checkpoint-every 50 --resume --out runs/a --steps 400")
+    assert "--steps 20 " in first + " " and "--steps 40" in resumed and "--checkpoint-every 5" in first
+    assert rewrite("poise train --task digits --fail-at 1:30 --steps 60").startswith(
+        "poise train --task digits --fail-at 1:3 --steps 6")
+    assert rewrite("poise train --balance static").endswith("--max-seq-len 64 --task.eval_max_samples 16 --steps 10")
+    assert rewrite("make demo").startswith("poise demo --out runs/demo --steps 12")
+    assert without_comment("poise bench codecs --kernels '' --steps 3   # a '#' in a comment") == (
+        "poise bench codecs --kernels '' --steps 3")

@@ -64,6 +64,11 @@ class Command:
     def where(self) -> str:
         return f"{self.page}:{self.line}"
 
+    @property
+    def bare(self) -> str:
+        """The text without its comment: the same command in two places, commented apart, is one."""
+        return without_comment(self.text)
+
 
 def extract_commands(page: Path) -> list[Command]:
     """The commands of ``page``'s ```bash blocks, in order (comment-only and blank lines dropped)."""
@@ -143,8 +148,8 @@ NEEDS_CLUSTER = [r"^poise cluster ", r"--cluster \d", r"^sudo "]
 # (pattern, the smaller command run instead, why): it makes what a later command of its page reads
 VARIANTS: list[tuple[str, str, str]] = [
     (r"^poise bench codecs .*--out runs/bench-codecs",
-     "poise bench codecs --kernels '' --codecs none,fp16 --steps 20 --out runs/bench-codecs",
-     "the codecs.json `poise plan --codec-results` reads, from two codecs on digits instead of all on code-lm"),
+     "poise bench codecs --kernels '' --codecs none --steps 20 --out runs/bench-codecs",
+     "the codecs.json `poise plan --codec-results` reads: one 2-step digits run, not every codec's on code-lm"),
 ]
 # page -> paths it reads that another page's commands make there: (path, the page that makes it)
 FROM_OTHER_PAGES: dict[str, list[tuple[str, str]]] = {
@@ -172,7 +177,8 @@ def _demo_shows_the_comparison(result: subprocess.CompletedProcess[str], workspa
     else:
         assert pairs == ["slow-rank"] and "slow-network pair skipped: " in result.stdout, pairs
     for row in data["runs"]:
-        assert (Path(row["dir"]) / "report.json").is_file() and (Path(row["dir"]) / "trace.json").is_file()
+        run_dir = workspace / row["dir"]  # as given to --out: relative to where the demo ran
+        assert (run_dir / "report.json").is_file() and (run_dir / "trace.json").is_file(), run_dir
 
 
 # pattern -> check of the result and the page's workspace, after the command exited 0
@@ -230,6 +236,8 @@ REWRITES: list[tuple[str, str | Callable[[re.Match[str]], str], str]] = [
 ]
 # what every code-lm job of a command gets unless the command sets it (--task digits: not code-lm)
 SMALL_CODE_LM = ("--max-seq-len", "64", "--task.eval_max_samples", "16")
+# what every training command gets: timeline.png is drawn and checked by tests/e2e/test_train_cli.py (1 s a job)
+NO_PLOT = ("--diagnostics.plot", "false")
 DEFAULT_STEPS = "10"  # a tenth of poise train's default of 100
 
 
@@ -248,6 +256,7 @@ def rewrite(text: str) -> str:
                     extra += [flag, value]
         if not re.search(r"--(steps|epochs) ", command):  # (a --config file's steps too: flags override it)
             extra += ["--steps", DEFAULT_STEPS]
+        extra += NO_PLOT
         command = " ".join([command, *extra])
     if re.search(r"^poise demo\b", command):
         command += " --steps 12 --network-steps 4 -- " + " ".join(SMALL_CODE_LM)
@@ -302,7 +311,7 @@ def all_commands() -> tuple[Command, ...]:
 def _first_places() -> dict[str, Command]:
     seen: dict[str, Command] = {}
     for c in all_commands():
-        seen.setdefault(c.text, c)
+        seen.setdefault(c.bare, c)
     return seen
 
 
@@ -355,7 +364,7 @@ class Runner:
             if c == stop:
                 return
             # a command repeated from an earlier page (the README's tour) runs at its first place only
-            if c.page != page or first_place(c.text) != c:
+            if c.page != page or first_place(c.bare) != c:
                 continue
             p = plan(c)
             if p.mode == "checked":
@@ -367,7 +376,7 @@ class Runner:
 
     def run(self, p: Plan) -> subprocess.CompletedProcess[str]:
         space = self.workspace(p.command.page)
-        key = p.command.text
+        key = p.command.bare
         if key not in space.done:
             space.done[key] = subprocess.run(["bash", "-c", p.run_text], cwd=space.path, env=self.env,
                                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
@@ -434,7 +443,7 @@ def test_command(command: Command, runner: Runner) -> None:
         return
     runner.run_page_until(command.page, command)
     result = runner.run(p)
-    places = [c.where for c in all_commands() if c.text == command.text]
+    places = [c.where for c in all_commands() if c.bare == command.bare]
     assert result.returncode == 0, (f"{' and '.join(places)}: {command.text.splitlines()[0]}\nran: {p.run_text}\n"
                                     f"exit {result.returncode}\n{_tail(result)}")
     for pattern, check in EXPECT.items():
@@ -505,7 +514,8 @@ def test_rewrites_keep_step_counts_in_order() -> None:
     assert "--steps 20 " in first + " " and "--steps 40" in resumed and "--checkpoint-every 5" in first
     assert rewrite("poise train --task digits --fail-at 1:30 --steps 60").startswith(
         "poise train --task digits --fail-at 1:3 --steps 6")
-    assert rewrite("poise train --balance static").endswith("--max-seq-len 64 --task.eval_max_samples 16 --steps 10")
+    assert rewrite("poise train --balance static").endswith(
+        "--max-seq-len 64 --task.eval_max_samples 16 --steps 10 --diagnostics.plot false")
     assert rewrite("make demo").startswith("poise demo --out runs/demo --steps 12")
     assert without_comment("poise bench codecs --kernels '' --steps 3   # a '#' in a comment") == (
         "poise bench codecs --kernels '' --steps 3")

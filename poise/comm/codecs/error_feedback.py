@@ -120,14 +120,6 @@ class ErrorFeedback(Codec):
             return residual
         return residual.add_(src)
 
-    def remember(self, key: Hashable | None, corrected: torch.Tensor, sent: torch.Tensor) -> None:
-        """Store ``corrected - sent`` (what this rank's payload did not carry) for ``key``."""
-        residual = self._residuals.get(key)
-        if residual is None or residual.shape != corrected.shape or residual.dtype != corrected.dtype:
-            self._residuals[key] = torch.sub(corrected, sent.view(corrected.shape))
-        else:
-            torch.sub(corrected, sent.view(corrected.shape), out=residual)
-
     def residual(self, key: Hashable | None) -> torch.Tensor | None:
         """The residual stored for ``key`` (flat), or None."""
         return self._residuals.get(key)

@@ -35,8 +35,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -48,6 +50,9 @@ pytestmark = pytest.mark.e2e
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND_TIMEOUT_S = 420.0
+# how long a test waits for its command: the commands of its page before it, and of another page
+# running beside it, come first
+COMMAND_WAIT_S = 840.0
 # a cluster of this test's own: the docs' commands use the default name, which another job may hold
 CLUSTER_NAME = f"docs{os.getpid() % 100000}"
 
@@ -325,69 +330,100 @@ def _unique() -> list[Command]:
     return list(_first_places().values())
 
 
-# -- workspaces: one per page, commands in page order ---------------------------------------
+# -- workspaces: one per page, commands in page order, two pages at a time -------------------
+
+# A command is mostly start-up (three Python processes importing torch), about one core's worth:
+# two pages at a time keep both cores of a 2-core machine busy. Within a page, strictly in order.
+PARALLEL_PAGES = 2
 
 
-@dataclass
-class Workspace:
-    """A page's directory: its commands run there in order, each at most once."""
-
-    path: Path
-    done: dict[str, subprocess.CompletedProcess[str]] = field(default_factory=dict)
+class EarlierCommandFailed(AssertionError):
+    """A command of the page before this one failed, so this one was not run."""
 
 
 class Runner:
-    """Runs commands in their page's workspace, earlier commands of the page first (once each)."""
+    """Runs each page's commands in order in the page's own workspace, each once, in the background
+    (:data:`PARALLEL_PAGES` pages at a time); a test waits for its command's result."""
 
     def __init__(self, root: Path, cache_home: Path) -> None:
         self.root = root
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": str(cache_home),
                     "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-        self.spaces: dict[str, Workspace] = {}
+        self._lock = threading.Lock()
+        self._results: dict[tuple[str, str], Future[subprocess.CompletedProcess[str]]] = {}
+        self._pages: dict[str, Future[None]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=PARALLEL_PAGES, thread_name_prefix="docs-page")
 
-    def workspace(self, page: str) -> Workspace:
-        if page not in self.spaces:
-            path = self.root / page.replace("/", "_").removesuffix(".md")
+    def workspace(self, page: str) -> Path:
+        return self.root / page.replace("/", "_").removesuffix(".md")
+
+    def start(self, wanted: list[Command]) -> None:
+        """Run, in the background, every page's commands up to the last of ``wanted`` on it (a page
+        another page reads from, whole), the pages that others read first."""
+        last: dict[str, Command | None] = {}
+        for c in wanted:
+            last[c.page] = c
+            for _, other in FROM_OTHER_PAGES.get(c.page, []):
+                last[other] = None
+        with self._lock:
+            for page in sorted(last, key=lambda pg: (pg in FROM_OTHER_PAGES, pg)):  # README.md sorts first
+                if page in self._pages:
+                    continue
+                steps = []
+                for c in _page_commands(page):
+                    key = (page, c.bare)
+                    self._results[key] = Future()
+                    steps.append((c, self._results[key]))
+                    if c == last[page]:
+                        break
+                self._pages[page] = self._pool.submit(self._run_page, page, steps)
+
+    def result(self, command: Command, timeout_s: float) -> subprocess.CompletedProcess[str]:
+        """``command``'s result, once its page got there (started now if it was not)."""
+        if (command.page, command.bare) not in self._results:
+            self.start([command])
+        return self._results[(command.page, command.bare)].result(timeout=timeout_s)
+
+    def _run_page(self, page: str, steps: list[tuple[Command, Future[subprocess.CompletedProcess[str]]]]) -> None:
+        failed = ""
+        try:
+            path = self.workspace(page)
             path.mkdir(parents=True)
             (path / "examples").symlink_to(ROOT / "examples")  # the pages' commands run from the repository root
-            self.spaces[page] = Workspace(path)
             for rel, other in FROM_OTHER_PAGES.get(page, []):
-                self.run_page_until(other, None)
-                source = self.workspace(other).path / rel
-                assert source.exists(), f"{other} was to make {rel} for {page}"
+                self._pages[other].result()  # started before this page (see start)
+                source = self.workspace(other) / rel
+                if not source.exists():
+                    raise EarlierCommandFailed(f"{other} was to make {rel} for {page}: its commands failed")
                 shutil.copytree(source, path / rel, symlinks=True)
-        return self.spaces[page]
-
-    def run_page_until(self, page: str, stop: Command | None) -> None:
-        """Every runnable command of ``page`` before ``stop`` (all when None), each once."""
-        for c in all_commands():
-            if c == stop:
-                return
-            # a command repeated from an earlier page (the README's tour) runs at its first place only
-            if c.page != page or first_place(c.bare) != c:
-                continue
-            p = plan(c)
-            if p.mode == "checked":
-                continue
-            result = self.run(p)
-            if result.returncode != 0:
-                pytest.fail(f"an earlier command of {page} failed ({c.where}: {c.text.splitlines()[0]}), exit "
-                            f"{result.returncode}:\n{_tail(result)}")
-
-    def run(self, p: Plan) -> subprocess.CompletedProcess[str]:
-        space = self.workspace(p.command.page)
-        key = p.command.bare
-        if key not in space.done:
-            space.done[key] = subprocess.run(["bash", "-c", p.run_text], cwd=space.path, env=self.env,
-                                             capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-        return space.done[key]
+            for c, future in steps:
+                if failed:
+                    future.set_exception(EarlierCommandFailed(failed))
+                    continue
+                done = subprocess.run(["bash", "-c", plan(c).run_text], cwd=path, env=self.env,
+                                      capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+                future.set_result(done)
+                if done.returncode != 0:
+                    failed = (f"an earlier command of {page} failed ({c.where}: {c.bare.splitlines()[0]}), exit "
+                              f"{done.returncode}:\n{_tail(done)}")
+        except BaseException as exc:  # every waiting test gets it: none hangs
+            for _, future in steps:
+                if not future.done():
+                    future.set_exception(exc)
 
     def close(self) -> None:
-        """Take this test's cluster down, in case a page's commands brought it up and stopped before
-        its ``down`` (a failed command)."""
+        """Stop starting commands, wait for the running ones, and take this test's cluster down in
+        case a page brought it up and stopped before its ``down`` (a failed command)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
         if cluster_support() is None:
             subprocess.run(["bash", "-c", f"poise cluster down --name {CLUSTER_NAME}"], env=self.env,
                            capture_output=True, timeout=120)
+
+
+def _page_commands(page: str) -> list[Command]:
+    """The commands run on ``page``, in order: not the checked ones, and a command repeated from an
+    earlier page (the README's tour) only at its first place."""
+    return [c for c in all_commands() if c.page == page and first_place(c.bare) == c and plan(c).mode != "checked"]
 
 
 def _tail(result: subprocess.CompletedProcess[str]) -> str:
@@ -395,10 +431,15 @@ def _tail(result: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterator[Runner]:
+def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           cache_dir: Path) -> Iterator[Runner]:
     cache_home = tmp_path_factory.mktemp("docs-cache")
     (cache_home / "poise").symlink_to(cache_dir)  # the session's corpus index (code_lm's $XDG_CACHE_HOME/poise)
     runner = Runner(Path(tempfile.mkdtemp(prefix="poise-docs-", dir=tmp_path_factory.getbasetemp())), cache_home)
+    # every selected command's page starts now, so that pages run side by side while tests wait in order
+    selected = [item.callspec.params["command"] for item in request.session.items
+                if getattr(item, "callspec", None) and isinstance(item.callspec.params.get("command"), Command)]
+    runner.start([c for c in selected if plan(c).mode != "checked"])
     yield runner
     runner.close()
 
@@ -441,14 +482,13 @@ def test_command(command: Command, runner: Runner) -> None:
     if p.mode == "checked":
         check_arguments(p.run_text)
         return
-    runner.run_page_until(command.page, command)
-    result = runner.run(p)
+    result = runner.result(command, timeout_s=COMMAND_WAIT_S)
     places = [c.where for c in all_commands() if c.bare == command.bare]
     assert result.returncode == 0, (f"{' and '.join(places)}: {command.text.splitlines()[0]}\nran: {p.run_text}\n"
                                     f"exit {result.returncode}\n{_tail(result)}")
     for pattern, check in EXPECT.items():
         if re.search(pattern, without_comment(command.text)):
-            check(result, runner.workspace(command.page).path)
+            check(result, runner.workspace(command.page))
 
 
 @pytest.mark.timeout(60)

@@ -231,6 +231,7 @@ REWRITES: list[tuple[str, str | Callable[[re.Match[str]], str], str]] = [
     (r"\S*\.venv/bin/poise\b", "poise", "the interpreter running the tests is first on PATH"),
     (r"(--steps )(\d+)", _scale, "a tenth of the steps (at least 2): the same code paths, sooner"),
     (r"(--checkpoint-every )(\d+)", _scale_every, "scaled with the steps"),
+    (r"(--train\.eval_every )(\d+)", _scale_every, "scaled with the steps"),
     (r"(--fail-at \d+:)(\d+)", _scale, "scaled with the steps"),
     (r"--max-seq-len (\d+)", _cap_seq_len, "code-lm samples of at most 64 bytes"),
     (r"--max-bytes \S+", "--max-bytes 1M", "bus bandwidth up to 1 MB, not 64 MB-1 GB"),
@@ -544,6 +545,19 @@ def test_links_between_pages_resolve() -> None:
                 if anchor not in headings:
                     broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+@pytest.mark.timeout(60)
+def test_without_a_cluster_its_commands_are_checked_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "cluster_support", lambda: "poise cluster needs root")
+    cluster = [c for c in all_commands() if re.search(r"^poise cluster (up|check)|--cluster \d", c.bare)]
+    assert cluster
+    for c in cluster:
+        p = plan(c)
+        assert p.mode == "checked" and p.reason == "needs an emulated cluster: poise cluster needs root", c.where
+        check_arguments(p.run_text)
+    # the demo runs anyway: it skips its network pair itself, saying why
+    assert plan(next(c for c in all_commands() if c.bare == "make demo")).mode == "run"
 
 
 @pytest.mark.timeout(60)

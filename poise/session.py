@@ -58,6 +58,7 @@ from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, instrumented
 from poise.comm.settle import settle_buckets
 from poise.comm.state import CommState
+from poise.comm.trial import decide_on_every_rank
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, StragglerConfig
 from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics import report as report_mod
@@ -429,21 +430,10 @@ class Session:
         if trial is not None:
             trial.observe(rec.step, rec.step_s)
             if trial.ready:
-                self._decide_trial(trial)
+                decide_on_every_rank(trial)
         if self.partitioner is not None:
             self.partitioner.observe(self.lengths[marks.indices], rec.compute_s)
         self.last_record = rec
-
-    def _decide_trial(self, trial: Any) -> None:
-        """``comm.codec=auto``: every rank takes the slowest rank's medians (the step waits for
-        it), so all make the same choice, at the same step (between steps, on this thread)."""
-        medians = torch.tensor(trial.medians(), dtype=torch.float64)
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-        uncompressed_s, codec_s = medians.tolist()
-        kept = trial.decide(uncompressed_s, codec_s)
-        log.info("comm.codec=auto: median step %.0f ms uncompressed, %.0f ms with PowerSGD (x%.2f margin): %s",
-                 uncompressed_s * 1e3, codec_s * 1e3, trial.margin,
-                 "PowerSGD kept" if kept else "uncompressed from now on")
 
     def _publish_metrics(self, block: np.ndarray) -> None:
         """Rank 0, after each gather: the new block to the metrics endpoint."""

@@ -10,14 +10,20 @@ with the next uncompressed step (``adapter.compressed_hook``): nothing the trial
 
 :class:`CodecTrial` is the decision alone (no process group): it is told each step's seconds
 and, once it has both kinds, :meth:`CodecTrial.decide` compares the medians. The session makes
-every rank decide the same (it takes each median's maximum over the ranks first,
-``Session._decide_trial``), and the hook asks :meth:`CodecTrial.uses_codec` per step.
+every rank decide the same (:func:`decide_on_every_rank`: each median's maximum over the ranks
+first), and the hook asks :meth:`CodecTrial.uses_codec` per step.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 _SKIPPED_FIRST_STEPS = 2  # DDP rebuilds its buckets after step 1: those steps say nothing
 
@@ -102,3 +108,16 @@ class CodecTrial:
         self.choice = state["choice"]
         decided = state.get("decided_from")
         self.decided_from = (float(decided[0]), float(decided[1])) if decided else None
+
+
+def decide_on_every_rank(trial: CodecTrial) -> bool:
+    """Make ``trial``'s choice from the slowest rank's medians (the step waits for it), so that
+    every rank chooses the same at the same step. A collective on the default group: call it on
+    every rank between steps, once ``trial.ready``."""
+    medians = torch.tensor(trial.medians(), dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    uncompressed_s, codec_s = medians.tolist()
+    kept = trial.decide(uncompressed_s, codec_s)
+    log.info("comm.codec=auto: median step %.0f ms uncompressed, %.0f ms with PowerSGD (x%.2f margin): %s",
+             uncompressed_s * 1e3, codec_s * 1e3, trial.margin, "PowerSGD kept" if kept else "uncompressed from now on")
+    return kept

@@ -3,12 +3,14 @@
 Kept apart from prediction (``costs.py``, ``step.py``): these functions turn measurements
 (``poise diagnose busbw``'s ``busbw.json``, a single-worker ``report.json``, a layer profile,
 ``poise bench codecs``' kernel table) into the numbers a prediction takes, and say where each
-number came from. A two-point fit is exact; with three or more points it is least squares
-on the times.
+number came from. A two-point fit is exact; with three or more points it is Theil–Sen (the
+median of the pairwise slopes; Sen 1968), so that one call caught by the ~4 ms tail latency of
+small messages does not tilt the line, as it would a least-squares fit.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,14 +19,16 @@ from poise.plan.step import CodecSpeed, Compute
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``t = a + b S`` through ``(S, t)`` points (exact through two)."""
+    """Theil–Sen line ``t = a + b S`` through ``(S, t)`` points (exact through two).
+
+    ``b`` is the median of the slopes between every pair of distinct sizes and ``a`` the median
+    of ``t - b S``: robust to outliers (breakdown point 29 %), O(n² log n) for n points.
+    """
     if len(points) < 2 or len({s for s, _ in points}) < 2:
         raise ValueError(f"a fit needs at least two distinct sizes, got {[s for s, _ in points]}")
-    n = len(points)
-    mean_s = sum(s for s, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    b = sum((s - mean_s) * (t - mean_t) for s, t in points) / sum((s - mean_s) ** 2 for s, _ in points)
-    return mean_t - b * mean_s, b
+    slopes = [(t2 - t1) / (s2 - s1) for i, (s1, t1) in enumerate(points) for s2, t2 in points[i + 1:] if s2 != s1]
+    b = statistics.median(slopes)
+    return statistics.median(t - b * s for s, t in points), b
 
 
 def fit_ring_link(points: Sequence[tuple[float, float]], world_size: int) -> Link:
@@ -102,7 +106,6 @@ def compute_from_report(report: dict[str, Any]) -> Compute:
 
 def _phases(report: dict[str, Any]) -> dict[str, float]:
     """Median over ranks of each rank's median forward, backward, optimizer and data seconds."""
-    import statistics
 
     return {k: statistics.median(r[f"median_{k}_s"] for r in report["per_rank"])
             for k in ("forward", "backward", "optim", "data")}

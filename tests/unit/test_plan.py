@@ -97,6 +97,18 @@ def test_fits_recover_the_link() -> None:
         calibrate.fit_ring_link([(1e6, 1.0)], 4)
 
 
+def test_ring_fit_survives_one_tail_latency_outlier() -> None:
+    # CI's busbw.json: 4K..1M on gloo, the 16K call caught a ~3 ms tail; least squares gave a
+    # negative slope ("do not grow with size") and poise plan refused the file.
+    sizes = [4096, 16384, 65536, 262144, 1048576]
+    times = [0.000264, 0.003465, 0.000216, 0.000276, 0.000795]
+    fitted = calibrate.fit_ring_link(list(zip(sizes, times, strict=True)), 2)
+    without = calibrate.fit_ring_link([p for i, p in enumerate(zip(sizes, times, strict=True)) if i != 1], 2)
+    assert 1 / 3 < fitted.bandwidth_bytes_per_s / without.bandwidth_bytes_per_s < 3
+    with pytest.raises(ValueError, match="do not grow with size"):
+        calibrate.fit_ring_link([(4096, 0.003), (16384, 0.002), (65536, 0.001)], 2)
+
+
 def test_h200_published_table_within_ten_percent() -> None:
     from poise.bench.plan import h200_table
 

@@ -129,9 +129,10 @@ def _run(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, str] |
 
 def busbw_json(out: Path, where: list[str], timeout_s: float) -> dict[str, Any]:
     """``poise diagnose busbw`` of the backend all-reduce at :data:`BUSBW_SIZES` (``where``:
-    ``--cluster N:M --link L`` or ``--nproc 2``)."""
+    ``--cluster N:M --link L`` or ``--nproc 2``). Medians of 15 calls: with 3, one run's
+    calibration of a 100 Mbit/s link came out 8 % slow, and every job of that scenario with it."""
     cmd = [sys.executable, "-m", "poise", "diagnose", "busbw", *where, "--ops", "all_reduce", "--min-bytes",
-           BUSBW_SIZES[0], "--max-bytes", BUSBW_SIZES[-1], "--factor", "8", "--warmup", "1", "--repeats", "3",
+           BUSBW_SIZES[0], "--max-bytes", BUSBW_SIZES[-1], "--factor", "8", "--warmup", "3", "--repeats", "15",
            "--out", str(out)]
     _run(cmd, out / "diagnose.log", timeout_s)
     return json.loads((out / "busbw.json").read_text())
@@ -382,8 +383,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clusters", default="2:2,4:1", help="nodes:workers per node, comma-separated")
     parser.add_argument("--codecs", default=",".join(CODECS), help="codecs of the matrix")
     parser.add_argument("--collectives", default=",".join(COLLECTIVES), help="collectives of the matrix")
-    parser.add_argument("--steps", type=int, default=14, help="steps per job")
-    parser.add_argument("--warmup-steps", type=int, default=4, help="steps left out of the measured median")
+    parser.add_argument("--steps", type=int, default=30, help="steps per job")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the measured median")
     parser.add_argument("--max-jobs", type=int, default=0, help="run only the first N jobs of the matrix (0: all)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per job, seconds")
     parser.add_argument("--from", dest="from_dir", default="", help="predict again for a finished run's directory")

@@ -190,10 +190,15 @@ class PowerSGDCodec(Codec):
         return p
 
     def project_q(self, m: torch.Tensor, p: torch.Tensor, layout: Layout, key: Hashable | None) -> torch.Tensor:
-        """Q_i = M_i^T P_i, into this key's flat Q buffer."""
+        """Q_i = M_i^T P_i, into this key's flat Q buffer.
+
+        Computed as ``(P_i^T M_i)^T``: reading the row-major ``M_i`` along its rows is about
+        twice as fast on CPU (8.0 against 16.7 ms on the bench model's 19 M entries, one
+        thread) as the transposed product, and the r x n result is small to copy.
+        """
         q = self._buffers.get(key, "q", (layout.q_numel,), torch.float32, m.device)
         for mat, p_i, q_i in zip(layout.matrices(m), layout.p_views(p), layout.q_views(q), strict=True):
-            torch.matmul(mat.T, p_i, out=q_i)
+            q_i.copy_(torch.matmul(p_i.T, mat).T)
         return q
 
     def remember(self, key: Hashable | None, q: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ class CodecTrial:
             uncompressed step.
     """
 
-    def __init__(self, start: int, *, steps: int = 8, margin: float = 1.25) -> None:
+    def __init__(self, start: int, *, steps: int = 3, margin: float = 1.25) -> None:
         if steps < 2:
             raise ValueError(f"comm.auto_trial_steps={steps} must be >= 2 (the first trial step is not timed)")
         if not margin >= 1.0:

@@ -336,7 +336,8 @@ class CommConfig:
     powersgd_rank: int = _field(8, "powersgd: rank of the approximation (code-lm: rank 4 costs 2.9%, 8 costs 1.5%)")
     int8_chunk_size: int = _field(1024, "int8: entries per scale (one fp32 scale per chunk)")
     auto_trial_steps: int = _field(
-        8, "auto: PowerSGD's trial steps once compression starts, timed against the uncompressed steps before"
+        3, "auto: PowerSGD's trial steps once compression starts (the first untimed), timed against the "
+           "uncompressed steps before; few, since each costs accuracy even if the codec is dropped"
     )
     auto_margin: float = _field(
         1.25, "auto: keep PowerSGD only if its median step times this is still below the uncompressed one "

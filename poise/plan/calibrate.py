@@ -106,7 +106,6 @@ def compute_from_report(report: dict[str, Any]) -> Compute:
 
 def _phases(report: dict[str, Any]) -> dict[str, float]:
     """Median over ranks of each rank's median forward, backward, optimizer and data seconds."""
-
     return {k: statistics.median(r[f"median_{k}_s"] for r in report["per_rank"])
             for k in ("forward", "backward", "optim", "data")}
 

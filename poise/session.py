@@ -563,6 +563,9 @@ class Session:
             raise error
         if failure[0] is not None:
             raise RuntimeError(f"rank 0 could not write the run's outputs: {failure[0]}")
+        # the broadcast's source returns as soon as it has sent: without this, rank 0 can tear
+        # its process group down while a peer still reads (gloo then aborted one run in CI)
+        dist.barrier()
         return report
 
     def _report(self, slowdowns: list[Any], extra: dict[str, Any] | None, loss_scale: float) -> dict[str, Any]:

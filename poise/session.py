@@ -58,7 +58,6 @@ from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, instrumented
 from poise.comm.settle import settle_buckets
 from poise.comm.state import CommState
-from poise.comm.trial import decide_on_every_rank
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, StragglerConfig
 from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics import report as report_mod
@@ -419,6 +418,8 @@ class Session:
         self.steps_done += 1
         while len(self._pending) > self._lag:
             self._take(self._pending.popleft())
+        if self.comm_state.between_steps():  # auto's dry run: no step's seconds
+            self._last_exit_s = time.perf_counter()
         if self.partitioner is not None and self.partitioner.due(self.steps_done - len(self._pending)):
             if self.total_steps is None or self.steps_done < self.total_steps * self.accum_steps:
                 self.partitioner.replan(self.steps_done)
@@ -428,9 +429,7 @@ class Session:
         self.timeline.record(rec)
         trial = getattr(self.comm_state, "trial", None)
         if trial is not None:
-            trial.observe(rec.step, rec.step_s)
-            if trial.ready:
-                decide_on_every_rank(trial)
+            trial.observe(rec.step, rec.step_s, rec.comm_wait_s)
         if self.partitioner is not None:
             self.partitioner.observe(self.lengths[marks.indices], rec.compute_s)
         self.last_record = rec

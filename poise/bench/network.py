@@ -13,8 +13,10 @@ For each link rate (1 Gbit/s, 10 Gbit/s and 100 Mbit/s by default) an emulated c
    so that communication, not the 2 shared cores, sets the pace) with plain DDP, torch's
    PowerSGD hook and poise's codecs, compared at equal accuracy: plain DDP runs ``--steps``
    steps and its final eval loss is the target; every other run may take ``--extra-steps``
-   more (its own learning-rate schedule spans them), evaluates every ``--eval-every`` steps
-   and stops once it reaches the target. Reported per run: the training seconds to the target
+   more, evaluates every ``--eval-every`` steps and stops once it reaches the target. A lossy
+   run's learning-rate schedule spans its extra steps; one whose gradients go exact keeps
+   DDP's (``--train.schedule_steps``), so ``auto`` that drops PowerSGD over a fast link is
+   plain DDP itself, not DDP with a longer schedule. Reported per run: the training seconds to the target
    (evaluations left out; "not reached" if it never gets there), the speed-up on that measure
    against DDP and against torch's PowerSGD, the median step and its ratio to DDP's, the
    final eval loss, bytes per step and the communication left exposed after backward.
@@ -238,8 +240,10 @@ def training(out: Path, cluster: str, link: str, labels: list[str], model: list[
         flags = [*model, "--steps", str(steps), "--cluster", cluster, "--link", link, *RUNS[label]]
         if not short:
             flags += ["--train.eval_every", str(plan.eval_every)]
-            if label != "ddp" and reference["target"] is not None:
-                flags += ["--train.stop_at_eval_loss", repr(reference["target"])]
+            if label != "ddp":  # exact steps keep the reference's schedule, lossy ones span the extra steps
+                flags += ["--train.schedule_steps", str(plan.steps)]
+                if reference["target"] is not None:
+                    flags += ["--train.stop_at_eval_loss", repr(reference["target"])]
         report = run_train_job(f"{link}-{label}", out, flags, plan.timeout_s)
         curve = report["eval_curve"]
         if label == "ddp" and not short and reference["target"] is None:

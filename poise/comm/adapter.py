@@ -12,6 +12,7 @@ a ready-to-register hook for a user's own script; ``builder.py`` does it from a 
 annotations at registration and compares them with real classes, not strings.)
 """
 
+import time
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from poise.comm.collectives import Collective
 from poise.comm.probe import CommHook
 from poise.comm.reducers import AllReduceReducer, Reducer
 from poise.comm.state import Counters, CountingState
-from poise.comm.trial import CodecTrial
+from poise.comm.trial import CodecTrial, decide_on_every_rank
 from poise.comm.wrappers import compose
 
 
@@ -38,8 +39,9 @@ class HookState(CountingState):
         reducer: the reducer stack used from ``start_step`` on.
         uncompressed: the plain averaging all-reduce for warm-up and bypassed steps.
         start_step: steps sent uncompressed before ``reducer`` takes over.
-        trial: ``comm.codec=auto``'s decision (:class:`~poise.comm.trial.CodecTrial`): from its
-            end on, ``reducer`` is used only if it paid. None: always from ``start_step``.
+        trial: ``comm.codec=auto``'s decision (:class:`~poise.comm.trial.CodecTrial`):
+            ``reducer`` is dry-run by :meth:`between_steps` and used from ``start_step`` only if
+            it pays. None: always from ``start_step``.
         step: steps seen so far (a step ends with DDP's last bucket).
         weight, counters, inter_node_counters: see :class:`~poise.comm.state.CountingState`.
 
@@ -59,6 +61,8 @@ class HookState(CountingState):
         self.start_step = start_step
         self.step = 0
         self.trial = trial
+        self._dry_run: list[tuple[int, torch.Tensor, list[torch.Size]]] = []  # a step's buckets, kept for it
+        self._dry_run_buffers: dict[int, torch.Tensor] = {}  # reused across the dry runs
 
     def state_dict(self) -> dict[str, Any]:
         """Step count and codec state (residuals, warm starts); no process group."""
@@ -80,6 +84,32 @@ class HookState(CountingState):
             return False
         return self.trial is None or self.trial.uses_codec(self.step)
 
+    def between_steps(self) -> bool:
+        """``comm.codec=auto``, after each of the trial's steps, on every rank: the codec's whole
+        reduction of that step's buckets once more, timed, its result and codec state thrown away
+        (``poise/comm/trial.py``), then the choice once the trial is ready. Collectives on the
+        reducer's groups and the default group. Returns whether it ran anything."""
+        if self.trial is None or not self._dry_run:
+            return False
+        buckets, self._dry_run = self._dry_run, []
+        pristine = self.codec.state_dict()  # no compressed step has run: residuals and warm starts empty
+        started = time.perf_counter()
+        futures = []
+        for key, tensor, shapes in buckets:
+            scratch = self._dry_run_buffers.get(key)
+            if scratch is None or scratch.shape != tensor.shape or scratch.dtype != tensor.dtype:
+                scratch = self._dry_run_buffers[key] = torch.empty_like(tensor)
+            scratch.copy_(tensor)
+            futures.append(self.reducer.reduce(scratch, key=key, weight=self.weight, shapes=shapes))
+        torch.futures.wait_all(futures)
+        self.trial.observe_dry_run(self.step - 1, time.perf_counter() - started)
+        self.codec.load_state_dict(pristine)
+        if self.trial.ready:
+            decide_on_every_rank(self.trial)
+        if self.trial.choice is not None:
+            self._dry_run_buffers.clear()
+        return True
+
     def shared_state_dict(self) -> dict[str, Any]:
         """The step count: every rank's is the same (compression starts at the same step)."""
         return {"step": self.step}
@@ -93,16 +123,11 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
     up or bypassed; a bypassed bucket counts no step)."""
     if state.bypassing:
         return state.uncompressed.reduce(bucket.buffer(), key=bucket.index())
-    compressing = state.compressing
-    reducer = state.reducer if compressing else state.uncompressed
-    weight = state.weight if state.weight is not None else 1.0 / dist.get_world_size()
-    if not compressing and state.trial is not None and isinstance(state.codec, ErrorFeedback) and weight:
-        # the trial dropped the codec: what it held back goes out now, with this gradient
-        residual = state.codec.pop_residual(bucket.index())
-        if residual is not None and residual.numel() == bucket.buffer().numel():
-            bucket.buffer().view(-1).add_(residual, alpha=1.0 / weight)  # the reducer multiplies by weight
+    reducer = state.reducer if state.compressing else state.uncompressed
     # the parameters' shapes: low rank compresses each weight matrix of the bucket on its own
     shapes = [p.shape for p in bucket.parameters()]
+    if state.trial is not None and state.trial.dry_run_due(state.step):
+        state._dry_run.append((bucket.index(), bucket.buffer(), shapes))  # holds the reduced mean after the step
     fut = reducer.reduce(bucket.buffer(), key=bucket.index(), weight=state.weight, shapes=shapes)
     if bucket.is_last():
         state.step += 1

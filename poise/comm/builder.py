@@ -39,8 +39,8 @@ def _poise_codec(codec: str | None = None, **options: Callable[[CommConfig], Any
             collective = collectives.make(config.collective, group, topology=topology,
                                           segment_bytes=config.segment_bytes, small_bytes=config.tree_max_bytes)
         trial = None
-        if config.codec == "auto":  # PowerSGD on trial (poise/comm/trial.py)
-            start_step = max(start_step, 3)  # at least one uncompressed step past DDP's bucket rebuild
+        if config.codec == "auto":  # PowerSGD dry-run first (poise/comm/trial.py)
+            start_step = max(start_step, config.auto_trial_steps + 2)  # the dry runs follow steps past DDP's rebuild
             trial = CodecTrial(start_step, steps=config.auto_trial_steps, margin=config.auto_margin)
         state = make_state(codec or config.codec, error_feedback=config.error_feedback, start_step=start_step,
                            on_nonfinite=config.on_nonfinite, process_group=group, collective=collective,
@@ -86,8 +86,9 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
     - poise codecs (fp16, bf16, int8, sign, topk, randomk, powersgd): an
       ``adapter.HookState`` with ``config.error_feedback``, ``start_step``, ``on_nonfinite``,
       ``local_first`` and the codec's option.
-    - ``auto``: PowerSGD on trial for ``auto_trial_steps`` once compression starts, kept only
-      if it paid (``poise/comm/trial.py``; the session times the steps and decides).
+    - ``auto``: PowerSGD dry-run after the last ``auto_trial_steps`` uncompressed steps, used
+      from ``start_step`` only if it pays (``poise/comm/trial.py``; the session times the steps
+      and runs the dry runs between them).
     - ``torch-fp16``: torch's ``fp16_compress_hook``. ``torch-powersgd``: torch's
       ``powerSGD_hook`` with a ``PowerSGDState``. On gloo, torch's PowerSGD hook only works
       with a single bucket (it starts its second collective from a future callback, which

@@ -90,6 +90,11 @@ class CommState(Protocol):
         """While inside, the hook sends every bucket with a plain averaging all-reduce, counts
         no step and touches no codec state (``settle.settle_buckets`` uses it)."""
 
+    def between_steps(self) -> bool:
+        """Work the hook does outside any step, on every rank, after each step (``comm.codec=auto``'s
+        dry runs: ``poise/comm/trial.py``); True if it ran anything, whose seconds are then no
+        step's."""
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (step count, residuals, warm starts); no process group."""
 
@@ -133,6 +138,9 @@ class CountingState:
             yield
         finally:
             self._bypass = False
+
+    def between_steps(self) -> bool:
+        return False
 
     def step_stats(self) -> StepStats:
         return self.counters.snapshot()

@@ -1,17 +1,25 @@
-"""``comm.codec=auto``: try the codec for a few steps, keep it only if it pays.
+"""``comm.codec=auto``: decide whether PowerSGD pays before it touches a single gradient.
 
-Why a trial and not a rule: whether compression pays depends on the link, on the compute it
-hides behind and on what the codec costs on this machine's cores, and a lossy codec's step is
-worth less than an uncompressed one (PowerSGD needed about 1.2x the steps of plain DDP to reach
-its loss on code-lm; ``poise bench network``). Measured step times settle all of it at once:
-the steps before compression starts are uncompressed anyway, so the trial costs only the
-codec's first ``steps`` steps. When the codec is dropped, error feedback's residuals go out
-with the next uncompressed step (``adapter.compressed_hook``): nothing the trial held back is lost.
+Why a measurement and not a rule: whether compression pays depends on the link, on the
+compute it hides behind and on what the codec costs on this machine's cores. Why a *dry run*
+and not a trial of real compressed steps: a lossy step early in training costs accuracy even
+when the codec is dropped afterwards (over 10 Gbit/s a 3-step trial left the eval loss 0.5 %
+above plain DDP's after 200 steps, and a dropped codec could never reach DDP's loss in DDP's
+time). So the steps before ``start`` stay uncompressed and exact; after each of the last
+``steps`` of them, every rank runs the codec's whole reduction once more on that step's
+gradient buckets, outside the step, result and codec state thrown away. Nothing the model sees
+changes: a dropped codec leaves the run bit-identical to plain DDP.
+
+The prediction: a compressed step costs the uncompressed step without its exposed
+communication (``step_s - comm_wait_s``, the compute, data and optimizer) plus the dry run's
+seconds (the codec's encoding, its collectives and its decoding, none of it hidden behind
+backward: pessimistic, as PowerSGD's encoding runs on the autograd thread anyway). The codec is
+kept only if ``margin`` times that is still below the uncompressed step: a lossy step is worth
+less (PowerSGD needed about 1.2x plain DDP's steps to reach its loss on code-lm).
 
 :class:`CodecTrial` is the decision alone (no process group): it is told each step's seconds
-and, once it has both kinds, :meth:`CodecTrial.decide` compares the medians. The session makes
-every rank decide the same (:func:`decide_on_every_rank`: each median's maximum over the ranks
-first), and the hook asks :meth:`CodecTrial.uses_codec` per step.
+and each dry run's. The hook state runs the dry runs (``adapter.HookState.between_steps``) and
+:func:`decide_on_every_rank` makes every rank decide the same, from the slowest rank's medians.
 """
 
 from __future__ import annotations
@@ -29,83 +37,92 @@ _SKIPPED_FIRST_STEPS = 2  # DDP rebuilds its buckets after step 1: those steps s
 
 
 class CodecTrial:
-    """Uncompressed steps before ``start``, the codec's trial steps from ``start`` on, then the
-    choice: the codec stays only if ``margin`` times its median step is still below the median
-    uncompressed step.
+    """Times uncompressed steps from step 2 to ``start``, dry-runs the codec after each of the
+    last ``steps`` of them, then chooses once: from ``start`` on, the codec is used only if
+    ``margin`` times the predicted compressed step is below the median uncompressed step.
 
     Args:
-        start: the first compressed step (the hook's ``start_step``).
-        steps: trial steps of the codec; the first one is not timed (warm starts begin random).
+        start: the first step that may be compressed (the hook's ``start_step``).
+        steps: dry runs, after steps ``start - steps`` to ``start - 1``; the first is not timed
+            (it allocates the codec's buffers).
         margin: how much faster per step the codec must be (>= 1; see the module docstring).
 
     Raises:
-        ValueError: ``steps`` < 2, ``margin`` < 1, or ``start`` too early to time an
-            uncompressed step.
+        ValueError: ``steps`` < 2, ``margin`` < 1, or ``start`` too early for the dry runs.
     """
 
     def __init__(self, start: int, *, steps: int = 3, margin: float = 1.25) -> None:
         if steps < 2:
-            raise ValueError(f"comm.auto_trial_steps={steps} must be >= 2 (the first trial step is not timed)")
+            raise ValueError(f"comm.auto_trial_steps={steps} must be >= 2 (the first dry run is not timed)")
         if not margin >= 1.0:
             raise ValueError(f"comm.auto_margin={margin} must be >= 1")
-        if start <= _SKIPPED_FIRST_STEPS:
-            raise ValueError(f"comm.codec=auto needs uncompressed steps to compare with: start_step={start} must "
-                             f"be > {_SKIPPED_FIRST_STEPS} (DDP rebuilds its buckets after step 1)")
+        if start - steps < _SKIPPED_FIRST_STEPS:
+            raise ValueError(f"comm.codec=auto dry-runs the codec after the {steps} uncompressed steps before "
+                             f"start_step: start_step={start} must be >= {steps + _SKIPPED_FIRST_STEPS} "
+                             f"(comm.auto_trial_steps + {_SKIPPED_FIRST_STEPS}: DDP rebuilds its buckets after step 1)")
         self.start, self.steps, self.margin = start, steps, margin
-        self.uncompressed_s: list[float] = []
-        self.codec_s: list[float] = []
+        self.uncompressed_s: list[float] = []  # step seconds of the uncompressed steps
+        self.compute_s: list[float] = []  # ... without their exposed communication
+        self.dry_run_s: list[float] = []  # the timed dry runs
         self.choice: bool | None = None  # None until decided
-        self.decided_from: tuple[float, float] | None = None  # the medians the choice came from
+        self.decided_from: tuple[float, float] | None = None  # (uncompressed step, predicted codec step)
 
-    @property
-    def end(self) -> int:
-        """The first step after the trial."""
-        return self.start + self.steps
+    def dry_run_due(self, step: int) -> bool:
+        """Whether the hook keeps step ``step``'s buckets for a dry run after it."""
+        return self.choice is None and self.start - self.steps <= step < self.start
 
     def uses_codec(self, step: int) -> bool:
-        """Whether step ``step`` (0-based, optimizer steps) is compressed."""
-        if step < self.start:
-            return False
-        return True if self.choice is None else self.choice
+        """Whether step ``step`` (0-based, optimizer steps) is compressed: never before the choice."""
+        return step >= self.start and bool(self.choice)
 
-    def observe(self, step: int, step_s: float) -> None:
-        """Record step ``step``'s seconds (any step; those outside the windows are ignored)."""
-        if self.choice is not None:
-            return
-        if _SKIPPED_FIRST_STEPS <= step < self.start:
+    def observe(self, step: int, step_s: float, comm_wait_s: float) -> None:
+        """Record an uncompressed step's seconds and the part of them spent waiting for the
+        reduction (any step; those outside the window are ignored)."""
+        if self.choice is None and _SKIPPED_FIRST_STEPS <= step < self.start:
             self.uncompressed_s.append(step_s)
-        elif self.start < step < self.end:
-            self.codec_s.append(step_s)
+            self.compute_s.append(max(0.0, step_s - comm_wait_s))
+
+    def observe_dry_run(self, step: int, seconds: float) -> None:
+        """Record the dry run after step ``step`` (the first one is not timed)."""
+        if self.choice is None and self.start - self.steps < step < self.start:
+            self.dry_run_s.append(seconds)
 
     @property
     def ready(self) -> bool:
-        """Whether every step of both windows has been observed and no choice made yet."""
-        return self.choice is None and len(self.codec_s) == self.steps - 1 and bool(self.uncompressed_s)
+        """Whether every timed dry run and an uncompressed step are in, and no choice made yet."""
+        return self.choice is None and len(self.dry_run_s) == self.steps - 1 and bool(self.uncompressed_s)
 
-    def medians(self) -> tuple[float, float]:
-        """(median uncompressed step, median codec step), seconds."""
-        return statistics.median(self.uncompressed_s), statistics.median(self.codec_s)
+    def medians(self) -> tuple[float, float, float]:
+        """(uncompressed step, its compute without exposed communication, dry run), seconds."""
+        return (statistics.median(self.uncompressed_s), statistics.median(self.compute_s),
+                statistics.median(self.dry_run_s))
 
-    def decide(self, uncompressed_s: float, codec_s: float) -> bool:
-        """Make the choice from the two median steps (seconds; every rank passes the same)."""
-        self.choice = codec_s * self.margin < uncompressed_s
-        self.decided_from = (uncompressed_s, codec_s)
+    def decide(self, uncompressed_s: float, compute_s: float, dry_run_s: float) -> bool:
+        """Make the choice from the medians (seconds; every rank passes the same)."""
+        predicted_s = compute_s + dry_run_s
+        self.choice = predicted_s * self.margin < uncompressed_s
+        self.decided_from = (uncompressed_s, predicted_s)
         return self.choice
 
     def summary(self) -> dict[str, Any]:
-        """For the report: the windows, the medians the choice came from, the choice."""
+        """For the report: the window, the step times the choice came from, the choice."""
         medians = self.decided_from or (None, None)
         return {"start_step": self.start, "trial_steps": self.steps, "margin": self.margin,
                 "uncompressed_step_s": medians[0], "codec_step_s": medians[1], "uses_codec": self.choice}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"uncompressed_s": list(self.uncompressed_s), "codec_s": list(self.codec_s), "choice": self.choice,
+        return {"uncompressed_s": list(self.uncompressed_s), "compute_s": list(self.compute_s),
+                "dry_run_s": list(self.dry_run_s), "choice": self.choice,
                 "decided_from": list(self.decided_from) if self.decided_from else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.uncompressed_s = [float(x) for x in state["uncompressed_s"]]
-        self.codec_s = [float(x) for x in state["codec_s"]]
-        self.choice = state["choice"]
+        self.uncompressed_s = [float(x) for x in state.get("uncompressed_s", [])]
+        self.compute_s = [float(x) for x in state.get("compute_s", [])]
+        self.dry_run_s = [float(x) for x in state.get("dry_run_s", [])]
+        choice = state.get("choice")
+        if choice is not None and not isinstance(choice, bool):
+            raise ValueError(f"comm trial state: choice={choice!r} must be true, false or null")
+        self.choice = choice
         decided = state.get("decided_from")
         self.decided_from = (float(decided[0]), float(decided[1])) if decided else None
 
@@ -116,8 +133,10 @@ def decide_on_every_rank(trial: CodecTrial) -> bool:
     every rank between steps, once ``trial.ready``."""
     medians = torch.tensor(trial.medians(), dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    uncompressed_s, codec_s = medians.tolist()
-    kept = trial.decide(uncompressed_s, codec_s)
-    log.info("comm.codec=auto: median step %.0f ms uncompressed, %.0f ms with PowerSGD (x%.2f margin): %s",
-             uncompressed_s * 1e3, codec_s * 1e3, trial.margin, "PowerSGD kept" if kept else "uncompressed from now on")
+    uncompressed_s, compute_s, dry_run_s = medians.tolist()
+    kept = trial.decide(uncompressed_s, compute_s, dry_run_s)
+    log.info("comm.codec=auto: median step %.0f ms uncompressed, %.0f ms predicted with PowerSGD (%.0f ms without "
+             "exposed communication + a %.0f ms dry run; x%.2f margin): %s", uncompressed_s * 1e3,
+             (compute_s + dry_run_s) * 1e3, compute_s * 1e3, dry_run_s * 1e3, trial.margin,
+             f"PowerSGD from step {trial.start}" if kept else "uncompressed, as plain DDP")
     return kept

@@ -106,6 +106,11 @@ class TrainConfig:
     lr: float | None = _field(None, "peak learning rate of AdamW (default: the task's)")
     weight_decay: float = _field(0.01, "AdamW weight decay")
     warmup_steps: int = _field(10, "linear learning-rate warm-up, then cosine decay to 10%")
+    schedule_steps: int | None = _field(
+        None, "optimizer steps the learning-rate schedule spans while gradients go exact (default: the whole "
+        "run; its cosine reaches 10% there and stays); a lossy codec, or auto keeping PowerSGD, spans the whole "
+        "run, as its steps are worth less (poise bench network gives them extra steps)"
+    )
     grad_clip_norm: float = _field(1.0, "clip the global gradient norm to this (0 = off)")
     seed: int = _field(0, "seed for the model, data order and every rank's RNG")
     accum_steps: int = _field(
@@ -129,7 +134,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _finite("train", self)
-        for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr"):
+        for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr", "schedule_steps"):
             _positive("train", name, getattr(self, name))
         _positive("train", "accum_steps", self.accum_steps, allow_none=False)
         if self.steps is not None and self.epochs is not None:
@@ -336,11 +341,11 @@ class CommConfig:
     powersgd_rank: int = _field(8, "powersgd: rank of the approximation (code-lm: rank 4 costs 2.9%, 8 costs 1.5%)")
     int8_chunk_size: int = _field(1024, "int8: entries per scale (one fp32 scale per chunk)")
     auto_trial_steps: int = _field(
-        3, "auto: PowerSGD's trial steps once compression starts (the first untimed), timed against the "
-           "uncompressed steps before; few, since each costs accuracy even if the codec is dropped"
+        3, "auto: PowerSGD dry runs, after each of the last uncompressed steps before start_step (the first "
+           "untimed): its reduction once more, result thrown away, so a dropped codec changes nothing"
     )
     auto_margin: float = _field(
-        1.25, "auto: keep PowerSGD only if its median step times this is still below the uncompressed one "
+        1.25, "auto: use PowerSGD only if its predicted step times this is still below the uncompressed one "
         "(a lossy step is worth less: PowerSGD needed ~1.2x DDP's steps to reach its loss on code-lm)"
     )
     start_step: int | None = _field(
@@ -376,7 +381,8 @@ class CommConfig:
         _positive("comm", "powersgd_rank", self.powersgd_rank, allow_none=False)
         _positive("comm", "int8_chunk_size", self.int8_chunk_size, allow_none=False)
         if self.auto_trial_steps < 2:
-            raise ValueError(f"comm.auto_trial_steps={self.auto_trial_steps} must be >= 2 (the first is not timed)")
+            raise ValueError(f"comm.auto_trial_steps={self.auto_trial_steps} must be >= 2 "
+                             "(the first dry run is not timed)")
         if not self.auto_margin >= 1.0:
             raise ValueError(f"comm.auto_margin={self.auto_margin} must be >= 1")
         if self.start_step is not None and self.start_step < 0:

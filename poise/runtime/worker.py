@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,16 +76,34 @@ def lr_warmup(warmup_steps: int, total_steps: int) -> int:
     return min(warmup_steps, max(1, total_steps // 10))
 
 
+def schedule_span(config: RunConfig, session: Session, optimizer_steps: int) -> Callable[[], int]:
+    """The learning-rate schedule's span, in optimizer steps: ``train.schedule_steps`` (default
+    the whole run) while gradients go exact, the whole run once they go lossy (a lossy codec, or
+    ``auto`` keeping PowerSGD), because each lossy step is worth less and the run's extra steps
+    are there for it. So ``auto`` that drops PowerSGD follows plain DDP's schedule, step for step."""
+    exact_span = config.train.schedule_steps or optimizer_steps
+    codec = config.comm.codec
+    if codec != "auto":
+        span = optimizer_steps if codec in config_mod.LOSSY_CODECS else exact_span
+        return lambda: span
+    trial = getattr(session.comm_state, "trial", None)
+    return lambda: optimizer_steps if trial is not None and trial.choice else exact_span
+
+
 def lr_schedule(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int | Callable[[], int]
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then cosine decay to 10% of the peak at ``total_steps``."""
-    warmup = lr_warmup(warmup_steps, total_steps)
+    """Linear warm-up, then cosine decay to 10% of the peak at ``total_steps``, where it stays
+    (a run longer than its schedule trains on at that rate). ``total_steps`` may be a function,
+    read at every step: :func:`schedule_span`'s span is known only once ``comm.codec=auto`` chose."""
+    span = total_steps if callable(total_steps) else lambda: total_steps
 
     def factor(step: int) -> float:
+        total = span()
+        warmup = lr_warmup(warmup_steps, total)
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
@@ -180,7 +199,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     ddp = session.model
     trainable = [p for p in ddp.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, config, task, session.compression_start)
-    scheduler = lr_schedule(optimizer, tc.warmup_steps, optimizer_steps)
+    scheduler = lr_schedule(optimizer, tc.warmup_steps, schedule_span(config, session, optimizer_steps))
     faults = FaultPlan.from_config(config.faults)
     attempt = restart_count()
     start_step, resumed_from = 0, None

@@ -199,16 +199,30 @@ def test_periodic_evaluation_records_the_curve_and_stops_at_a_target_loss(tmp_pa
     assert "reached train.stop_at_eval_loss=1: stopping" in proc.stderr
 
 
-def test_auto_codec_times_a_powersgd_trial_and_keeps_what_it_chose(tmp_path):
-    """comm.codec=auto: PowerSGD for the trial steps, then kept or dropped on every rank by the
-    measured medians; the steps after the trial show the choice in their bytes."""
+def test_auto_codec_dry_runs_powersgd_and_keeps_what_it_chose(tmp_path):
+    """comm.codec=auto: PowerSGD dry-run after the last uncompressed steps, then used or not on
+    every rank by the predicted step; the steps after the choice show it in their bytes."""
     proc = run_poise("train", "--task", "digits", "--nproc", "2", "--steps", "20", "--codec", "auto",
-                     "--comm.start_step", "5", "--comm.auto_trial_steps", "4", "--out", str(tmp_path), *QUIET)
+                     "--comm.start_step", "6", "--comm.auto_trial_steps", "4", "--out", str(tmp_path), *QUIET)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _report(tmp_path)
     trial = report["codec_trial"]
-    assert trial["start_step"] == 5 and trial["trial_steps"] == 4 and isinstance(trial["uses_codec"], bool)
+    assert trial["start_step"] == 6 and trial["trial_steps"] == 4 and isinstance(trial["uses_codec"], bool)
     assert trial["uses_codec"] == (trial["codec_step_s"] * trial["margin"] < trial["uncompressed_step_s"])
     assert "comm.codec=auto: median step" in proc.stderr
     compressed = report["comm_wire_bytes_per_step"] < report["comm_raw_bytes_per_step"]  # the median step
     assert compressed == trial["uses_codec"]
+
+
+def test_a_dropped_auto_codec_trains_exactly_as_plain_ddp(tmp_path):
+    """The dry runs change nothing: auto told to drop PowerSGD (a margin no codec meets) ends with
+    plain DDP's losses, bit for bit, though it ran PowerSGD's reduction three times."""
+    args = ("train", "--task", "digits", "--nproc", "2", "--steps", "12", *QUIET)
+    auto = run_poise(*args, "--codec", "auto", "--comm.start_step", "5", "--comm.auto_margin", "1000",
+                     "--out", str(tmp_path / "auto"))
+    plain = run_poise(*args, "--codec", "none", "--out", str(tmp_path / "none"))
+    assert auto.returncode == 0 and plain.returncode == 0, auto.stderr[-3000:] + plain.stderr[-3000:]
+    auto_report, plain_report = _report(tmp_path / "auto"), _report(tmp_path / "none")
+    assert auto_report["codec_trial"]["uses_codec"] is False and auto_report["codec_trial"]["codec_step_s"] > 0
+    assert auto_report["loss_curve"] == plain_report["loss_curve"]
+    assert auto_report["eval_loss"] == plain_report["eval_loss"]

@@ -57,6 +57,8 @@ def test_precedence_defaults_file_flags(tmp_path):
         (["--codec", "topk", "--collective", "hierarchical", "--comm.local_first", "true"],
          "collective='hierarchical'"),
         (["--checkpoint.delta_codec", "zip"], "checkpoint.delta_codec='zip' is unknown: allowed are exact, int8"),
+        (["--train.schedule_steps", "0"], "train.schedule_steps"),
+        (["--codec", "auto", "--comm.auto_trial_steps", "1"], "comm.auto_trial_steps=1 must be >= 2"),
     ],
 )
 def test_bad_values_give_one_line_errors(argv, needle):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -108,3 +109,29 @@ def test_compression_start_rule():
     assert not CommConfig(codec="sign", freeze_variance="off").freezes_variance()
     with pytest.raises(ValueError, match="freeze_variance='sometimes'"):
         CommConfig(freeze_variance="sometimes")
+
+
+def test_the_learning_rate_schedule_warms_up_decays_and_then_stays_at_a_tenth():
+    """A run longer than its schedule (train.schedule_steps) trains on at the schedule's final rate."""
+    from poise.runtime.worker import lr_schedule
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = lr_schedule(optimizer, warmup_steps=10, total_steps=100)
+    rates = []
+    for _ in range(150):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)  # linear warm-up
+    assert all(a >= b for a, b in itertools.pairwise(rates[9:101]))  # cosine decay
+    assert rates[100:] == pytest.approx([0.1] * 50)
+    span = [100]  # a span read at every step (auto's choice sets it)
+    scheduler = lr_schedule(optimizer, warmup_steps=10, total_steps=lambda: span[0])
+    for _ in range(55):
+        optimizer.step()
+        scheduler.step()
+    halfway = optimizer.param_groups[0]["lr"]
+    span[0] = 1000
+    optimizer.step()
+    scheduler.step()
+    assert halfway == pytest.approx(0.55, abs=0.02) and optimizer.param_groups[0]["lr"] > 0.95

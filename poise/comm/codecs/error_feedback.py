@@ -124,10 +124,6 @@ class ErrorFeedback(Codec):
         """The residual stored for ``key`` (flat), or None."""
         return self._residuals.get(key)
 
-    def pop_residual(self, key: Hashable | None) -> torch.Tensor | None:
-        """The residual stored for ``key``, removed (its owner sends it some other way), or None."""
-        return self._residuals.pop(key, None)
-
     # -- the Codec interface --------------------------------------------------------------
 
     def encode(self, tensor: torch.Tensor, *, key: Hashable | None = None) -> Encoded:

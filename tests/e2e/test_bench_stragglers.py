@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_bench_stragglers_slice_writes_its_rows(tmp_path):
     proc = run_poise("bench", "stragglers", "--worlds", "2", "--models", "bernoulli", "--modes", "ddp,deadline",
-                     "--seeds", "1", "--steps", "8", "--out", str(tmp_path), timeout_s=290)
+                     "--seeds", "1", "--steps", "8", "--batch-size", "16", "--out", str(tmp_path), timeout_s=290)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     data = json.loads((tmp_path / "stragglers.json").read_text())
     runs = {r["run"]: r for r in data["runs"]}

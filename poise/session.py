@@ -58,6 +58,7 @@ from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, instrumented
 from poise.comm.settle import settle_buckets
 from poise.comm.state import CommState
+from poise.comm.trial import CodecTrial
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, StragglerConfig
 from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics import report as report_mod
@@ -427,9 +428,8 @@ class Session:
     def _take(self, marks: StepMarks) -> None:
         rec = marks.record(self.clock)
         self.timeline.record(rec)
-        trial = getattr(self.comm_state, "trial", None)
-        if trial is not None:
-            trial.observe(rec.step, rec.step_s, rec.comm_wait_s)
+        if self.codec_trial is not None:
+            self.codec_trial.observe(rec.step, rec.step_s, rec.comm_wait_s)
         if self.partitioner is not None:
             self.partitioner.observe(self.lengths[marks.indices], rec.compute_s)
         self.last_record = rec
@@ -495,6 +495,12 @@ class Session:
         if self.deadline is not None and state.get("straggler") and same_world:
             self.deadline.load_state_dict(state["straggler"])
         self.steps_done = int(state["steps_done"]) if same_world else 0
+
+    @property
+    def codec_trial(self) -> CodecTrial | None:
+        """``comm.codec=auto``'s decision (None for other codecs): ``.choice`` is None until the dry
+        runs are in, then True if PowerSGD compresses from ``.start`` on, False if gradients stay exact."""
+        return getattr(self.comm_state, "trial", None)
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -578,7 +584,7 @@ class Session:
             "balance_strategy": self.balance.strategy,
             "codec": self.comm.codec,
             "compression_start_step": self.compression_start,  # optimizer steps sent uncompressed first
-            "codec_trial": trial.summary() if (trial := getattr(self.comm_state, "trial", None)) else None,
+            "codec_trial": self.codec_trial.summary() if self.codec_trial else None,
             "replans": [e.__dict__ for e in self.partitioner.history] if self.partitioner else [],
             "straggler": [d.pop("straggler") for d in slowdowns],  # per rank; None: off
             "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed

@@ -19,7 +19,7 @@ from poise.comm.adapter import compressed_hook, make_state
 from poise.comm.probe import CommHook
 from poise.comm.state import CommState
 from poise.comm.topology import Topology
-from poise.comm.trial import CodecTrial
+from poise.comm.trial import CodecTrial, earliest_start
 from poise.config import CODEC_NAMES, CommConfig
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def _poise_codec(codec: str | None = None, **options: Callable[[CommConfig], Any
                                           segment_bytes=config.segment_bytes, small_bytes=config.tree_max_bytes)
         trial = None
         if config.codec == "auto":  # PowerSGD dry-run first (poise/comm/trial.py)
-            start_step = max(start_step, config.auto_trial_steps + 2)  # the dry runs follow steps past DDP's rebuild
+            start_step = max(start_step, earliest_start(config.auto_trial_steps))
             trial = CodecTrial(start_step, steps=config.auto_trial_steps, margin=config.auto_margin)
         state = make_state(codec or config.codec, error_feedback=config.error_feedback, start_step=start_step,
                            on_nonfinite=config.on_nonfinite, process_group=group, collective=collective,

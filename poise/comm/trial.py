@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 _SKIPPED_FIRST_STEPS = 2  # DDP rebuilds its buckets after step 1: those steps say nothing
 
 
+def earliest_start(steps: int) -> int:
+    """The first step that may be compressed with ``steps`` dry runs: they follow uncompressed
+    steps past DDP's bucket rebuild."""
+    return steps + _SKIPPED_FIRST_STEPS
+
+
 class CodecTrial:
     """Times uncompressed steps from step 2 to ``start``, dry-runs the codec after each of the
     last ``steps`` of them, then chooses once: from ``start`` on, the codec is used only if
@@ -56,9 +62,9 @@ class CodecTrial:
             raise ValueError(f"comm.auto_trial_steps={steps} must be >= 2 (the first dry run is not timed)")
         if not margin >= 1.0:
             raise ValueError(f"comm.auto_margin={margin} must be >= 1")
-        if start - steps < _SKIPPED_FIRST_STEPS:
+        if start < earliest_start(steps):
             raise ValueError(f"comm.codec=auto dry-runs the codec after the {steps} uncompressed steps before "
-                             f"start_step: start_step={start} must be >= {steps + _SKIPPED_FIRST_STEPS} "
+                             f"start_step: start_step={start} must be >= {earliest_start(steps)} "
                              f"(comm.auto_trial_steps + {_SKIPPED_FIRST_STEPS}: DDP rebuilds its buckets after step 1)")
         self.start, self.steps, self.margin = start, steps, margin
         self.uncompressed_s: list[float] = []  # step seconds of the uncompressed steps

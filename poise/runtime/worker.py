@@ -86,7 +86,7 @@ def schedule_span(config: RunConfig, session: Session, optimizer_steps: int) -> 
     if codec != "auto":
         span = optimizer_steps if codec in config_mod.LOSSY_CODECS else exact_span
         return lambda: span
-    trial = getattr(session.comm_state, "trial", None)
+    trial = session.codec_trial
     return lambda: optimizer_steps if trial is not None and trial.choice else exact_span
 
 

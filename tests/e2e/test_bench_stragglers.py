@@ -27,6 +27,10 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
         assert row["samples_duplicated"] == 0
         assert row["throughput_vs_delay_free"] > 0
     assert runs["w2-delay-free-s0"]["throughput_vs_delay_free"] == 1.0
+    summary = {(r["delay_model"], r["mode"]): r for r in data["summary"]}
+    assert summary[("none", "delay-free")]["throughput_pooled_vs_delay_free"] == 1.0
+    assert summary[("bernoulli", "deadline")]["throughput_pooled_vs_delay_free"] == pytest.approx(
+        runs["w2-bernoulli-deadline-s0"]["throughput_vs_delay_free"])  # one seed: pooled is the seed's ratio
     (check,) = data["epoch_checks"]
     assert check["trained"] == check["distinct"] > 1000 and check["samples_duplicated"] == 0
     assert {p["delay_model"] for p in data["predictors"]} == {"bernoulli"}

@@ -500,7 +500,7 @@ class Session:
     def codec_trial(self) -> CodecTrial | None:
         """``comm.codec=auto``'s decision (None for other codecs): ``.choice`` is None until the dry
         runs are in, then True if PowerSGD compresses from ``.start`` on, False if gradients stay exact."""
-        return getattr(self.comm_state, "trial", None)
+        return self.comm_state.trial
 
     # -- evaluation ------------------------------------------------------------------------
 

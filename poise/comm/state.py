@@ -14,7 +14,10 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from poise.comm.trial import CodecTrial
 
 
 @dataclass(frozen=True)
@@ -72,9 +75,11 @@ class CommState(Protocol):
         weight: this rank's factor for the next reductions; None averages like DDP. Set it to
             the rank's share ``w_r`` to get ``sum_r w_r g_r``. torch's hooks only average:
             theirs refuses a weight with a ValueError when the next bucket arrives.
+        trial: ``comm.codec=auto``'s decision (``poise/comm/trial.py``); None for other codecs.
     """
 
     weight: float | None
+    trial: CodecTrial | None
 
     def reset_step(self) -> None:
         """Zero the counters; call before each step's ``backward()``."""
@@ -122,6 +127,7 @@ class CountingState:
 
     def __init__(self, counters: Counters | None = None, inter_node_counters: Counters | None = None) -> None:
         self.weight: float | None = None
+        self.trial: CodecTrial | None = None
         self.counters = counters if counters is not None else Counters()
         self.inter_node_counters = inter_node_counters if inter_node_counters is not None else Counters()
         self._bypass = False

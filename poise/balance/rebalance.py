@@ -5,12 +5,15 @@ and its own compute seconds (from the timeline's probe, so waiting for others is
 At re-plan steps the ranks exchange their last ``window_steps`` records with one small
 all-gather, and every rank then computes the same thing from the same numbers:
 
-1. α of the cost L + α·L² refitted from the window (when ``fit_alpha``), median over ranks;
+1. α of the cost L + α·L² refitted from the window (when ``fit_alpha``) for every rank: each
+   rank's own α splits the steps (a rank throttled by a CPU quota measured 4x the α of its
+   unthrottled peer: it loses more on long samples), the median over ranks groups and
+   budgets them;
 2. a change of speed: when the last ``RECENT_STEPS`` steps of some rank differ from the rest of
    the window by more than ``CHANGE_Z`` standard errors (and by more than 10 %), the older
    steps describe a device that is gone, and every rank drops them (:func:`estimate_speeds`);
-3. each rank's speed = Σ cost / Σ compute seconds over the window, and its relative standard
-   error from the spread of the per-step speeds;
+3. each rank's speed = Σ cost / Σ compute seconds over the window (in its own cost units),
+   and its relative standard error from the spread of the per-step speeds;
 4. the new shares (:func:`choose_shares`): none when the move would be within the
    measurement's own noise (two standard errors); straight to the shares proportional to
    speed when every rank's estimate is confident (relative error ≤ ``confident_error``);
@@ -151,6 +154,7 @@ class Replan:
     rel_error: list[float] | None = None  # relative standard error of each speed
     decision: str = "damped"  # hold, jump or damped (choose_shares)
     window_steps: int = 0  # steps the estimate used (fewer after a change of speed)
+    rank_alphas: list[float] | None = None  # each rank's own α (its speed is in its own cost units)
 
 
 class DynamicPartitioner:
@@ -177,6 +181,7 @@ class DynamicPartitioner:
         self.fit_alpha = fit_alpha and isinstance(sampler.cost_fn, AttentionCost) and sampler.cost_fn.alpha > 0
         self.device = device or torch.device("cpu")
         self.shares = np.full(sampler.world_size, 1.0 / sampler.world_size)
+        self.alphas: np.ndarray | None = None  # each rank's α, the units of its share (fit_alpha)
         self.window: deque[tuple[float, float, float]] = deque(maxlen=window_steps)
         self.history: list[Replan] = []
 
@@ -203,36 +208,62 @@ class DynamicPartitioner:
         else:
             every = mine.cpu().numpy()[None]
         alpha = getattr(self.sampler.cost_fn, "alpha", None)
+        alphas = self.alphas if self.alphas is not None else np.full(world, alpha or 0.0)
+        fitted = None
         if self.fit_alpha:
             fits = [fit_alpha(every[r, :, 0], every[r, :, 1], every[r, :, 2]) for r in range(world)]
-            fits = [a for a in fits if a is not None]
-            if fits:
-                alpha = float(np.median(fits))
+            known = [a for a in fits if a is not None]
+            if known:
+                alpha = float(np.median(known))
                 self.sampler.set_cost_fn(AttentionCost(alpha))
-        a = alpha or 0.0
-        estimate = estimate_speeds(every[:, :, 0] + a * every[:, :, 1], every[:, :, 2])
+                fitted = np.array([alpha if a is None else a for a in fits])  # a failed fit: the median
+
+        def costed(a: np.ndarray) -> SpeedEstimate:
+            return estimate_speeds(every[:, :, 0] + a[:, None] * every[:, :, 1], every[:, :, 2])
+
+        estimate = costed(alphas)
+        before = self.shares
+        self.shares, decision = choose_shares(before, estimate, self.max_share_change, self.confident_error)
+        if fitted is not None:
+            # Each rank's own α is taken only when it makes a confident estimate more precise
+            # (the per-step speeds vary less once the cost is right): a fit is noisy when the
+            # speeds are. The current shares are first put in the new units.
+            lin, quad = every[:, :, 0].sum(axis=1), every[:, :, 1].sum(axis=1)
+            current = before * (lin + fitted * quad) / (lin + alphas * quad)
+            refit = costed(fitted)
+            shares, refit_decision = choose_shares(current, refit, self.max_share_change, self.confident_error)
+            if refit_decision == "jump" and np.max(refit.rel_error) <= np.max(estimate.rel_error):
+                alphas, estimate, self.shares, decision = fitted, refit, shares, refit_decision
+            self.alphas = alphas
+            self.sampler.set_rank_cost_fns([AttentionCost(float(a)) for a in alphas])
         if estimate.keep_steps < len(self.window):  # a change of speed: the older steps are stale
             for _ in range(len(self.window) - estimate.keep_steps):
                 self.window.popleft()
-        self.shares, decision = choose_shares(self.shares, estimate, self.max_share_change, self.confident_error)
         self.sampler.set_speeds(self.shares)
         event = Replan(step, estimate.speeds.tolist(), self.shares.tolist(), alpha,
-                       [float(e) for e in estimate.rel_error], decision, estimate.keep_steps)
+                       [float(e) for e in estimate.rel_error], decision, estimate.keep_steps,
+                       alphas.tolist() if self.fit_alpha else None)
         self.history.append(event)
         log.info(
             "re-plan at step %d (%s, %d steps): speeds %s cost/s (±%s), shares %s, alpha %s",
             step, decision, estimate.keep_steps, [f"{s:,.0f}" for s in estimate.speeds],
             [f"{e:.1%}" for e in estimate.rel_error], [f"{s:.3f}" for s in self.shares],
-            "-" if alpha is None else f"{alpha:.2e}",
+            "-" if alpha is None else " ".join(f"{a:.2e}" for a in alphas),
         )
         return event
 
     def state_dict(self) -> dict[str, Any]:
         return {"shares": self.shares.tolist(), "window": list(self.window),
+                "alphas": None if self.alphas is None else self.alphas.tolist(),
                 "history": [e.__dict__ for e in self.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.shares = np.asarray(state["shares"], dtype=np.float64)
+        alphas = state.get("alphas")
+        self.alphas = None if alphas is None else np.asarray(alphas, dtype=np.float64)
+        if self.alphas is not None and (self.alphas.shape != self.shares.shape or not np.all(np.isfinite(self.alphas))
+                                        or np.any(self.alphas < 0)):
+            raise ValueError(f"re-planner state: alphas={alphas!r} must be one finite alpha >= 0 per rank")
         self.window.clear()
         self.window.extend(tuple(w) for w in state["window"])
         self.history = [Replan(**e) for e in state["history"]]

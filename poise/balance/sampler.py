@@ -33,6 +33,7 @@ had not reached yet (:meth:`remaining_samples`) and plans only those over the ne
 from __future__ import annotations
 
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -292,6 +293,7 @@ class BalancedBatchSampler(_EpochSampler):
         self.cost_fn: CostFn = as_cost_fn(cost_fn) if cost_fn is not None else AttentionCost(DEFAULT_ALPHA)
         self.seed, self.drop_last, self.bucket_steps = seed, drop_last, bucket_steps
         self.speeds = np.ones(world_size)
+        self.rank_cost_fns: list[CostFn] | None = None  # each rank's own cost function (set_rank_cost_fns)
         if speeds is not None:
             self.set_speeds(speeds)
         self.epoch, self.position = 0, 0
@@ -326,6 +328,14 @@ class BalancedBatchSampler(_EpochSampler):
         """A new cost function: used to split the next step, and to group steps from the next epoch."""
         self.cost_fn = as_cost_fn(cost_fn)
 
+    def set_rank_cost_fns(self, cost_fns: Sequence[CostFn] | None) -> None:
+        """Each rank's own cost function for splitting the next steps (None: the shared
+        ``cost_fn`` for all); speeds are then in each rank's own cost units. Steps are still
+        grouped and budgeted with the shared one. Every rank must set the same ones."""
+        if cost_fns is not None and len(cost_fns) != self.world_size:
+            raise ValueError(f"rank cost functions: {len(cost_fns)} given for {self.world_size} ranks")
+        self.rank_cost_fns = None if cost_fns is None else [as_cost_fn(f) for f in cost_fns]
+
     def set_speeds(self, speeds: Sequence[float] | np.ndarray) -> None:
         """New relative speeds per rank (every rank must set the same ones)."""
         values = np.asarray(speeds, dtype=np.float64)
@@ -342,7 +352,8 @@ class BalancedBatchSampler(_EpochSampler):
         if step not in self._splits:
             if step != self._plan.taken:
                 raise ValueError(f"step {step} asked before step {self._plan.taken}: steps are taken in order")
-            self._splits[step] = take_step(self._plan, self.lengths, self.cost_fn, self.speeds).batches
+            cost = self.rank_cost_fns if self.rank_cost_fns is not None else self.cost_fn
+            self._splits[step] = take_step(self._plan, self.lengths, cost, self.speeds).batches
         return self._splits[step]
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
@@ -360,6 +371,8 @@ class BalancedBatchSampler(_EpochSampler):
             # alphas of AttentionCost; a custom cost_fn must be passed again when loading
             "alpha": getattr(self.cost_fn, "alpha", None),
             "epoch_alpha": getattr(self._epoch_cost_fn, "alpha", None),
+            "rank_alphas": None if self.rank_cost_fns is None
+            else [getattr(f, "alpha", None) for f in self.rank_cost_fns],
             # settled step boundaries: they depend on the speeds each step was taken with
             "bounds": self._plan.bounds.tolist(),
             "taken": self._plan.taken,
@@ -394,6 +407,13 @@ class BalancedBatchSampler(_EpochSampler):
         self.set_epoch(int(state["epoch"]), state.get("remaining"))  # regroups with the epoch's own cost function
         if state.get("alpha") is not None:
             self.set_cost_fn(AttentionCost(float(state["alpha"])))
+        rank_alphas = state.get("rank_alphas")
+        if rank_alphas is not None:
+            if not (isinstance(rank_alphas, list) and len(rank_alphas) == self.world_size
+                    and all(isinstance(a, (int, float)) and math.isfinite(a) and a >= 0 for a in rank_alphas)):
+                raise ValueError(f"sampler state: rank_alphas={rank_alphas!r} must be {self.world_size} finite "
+                                 "alphas >= 0, one per rank")
+            self.set_rank_cost_fns([AttentionCost(float(a)) for a in rank_alphas])
         self._plan.bounds = np.asarray(state["bounds"], dtype=np.int64)
         self._plan.taken = int(state["taken"])
         self.position = int(state["position"])

@@ -34,12 +34,19 @@ Steps are taken in order and read the speeds of that moment, so re-planning with
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from poise.balance.costs import CostFn, padded_cost
 from poise.balance.metrics import balance
+
+# Samples each boundary of a step may move (stage 2). A step of long samples holds few of
+# them (6 of 1,024 tokens at code-lm's defaults); a speed ratio of 2.24 needs 9 against 4, so
+# 2 was too few to reach it; 4 costs about 7 ms per step taken (R = 2, n ≈ 100).
+MAX_SHIFT = 4
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -151,17 +158,18 @@ def plan_epoch(
 def take_step(
     plan: EpochPlan,
     lengths: np.ndarray,
-    cost_fn: CostFn,
+    cost_fn: CostFn | Sequence[CostFn],
     speeds: np.ndarray,
     *,
-    max_shift: int = 2,
+    max_shift: int = MAX_SHIFT,
 ) -> StepSplit:
     """Take the next step of ``plan``: settle its boundaries for the best split, and split it.
 
     Tries moving each boundary shared with a not-yet-taken step of the same window by up to
     ``max_shift`` samples (both steps keep at least one sample per rank) and keeps the
     candidate with the best predicted balance under ``speeds`` (ties: the smallest move).
-    Mutates ``plan`` (bounds, taken).
+    ``cost_fn``: one cost function, or one per rank (see :func:`split_step`). Mutates
+    ``plan`` (bounds, taken). O(max_shift · n · R) for a step of n samples over R ranks.
     """
     num_ranks = len(speeds)
     j = int(plan.order[plan.taken])
@@ -173,23 +181,35 @@ def take_step(
 
     left = range(-max_shift, max_shift + 1) if movable(j - 1) else range(1)
     right = range(-max_shift, max_shift + 1) if movable(j + 1) else range(1)
-    best: tuple[float, int, int, int] | None = None
-    best_split: StepSplit | None = None
+
+    def neighbour_balance(lo: int, hi: int) -> float:
+        """A neighbour's balance were it split as it stands after the move (0: too small)."""
+        if hi - lo < num_ranks:
+            return 0.0
+        return balance(split_step(plan.stream[lo:hi], lengths, cost_fn, speeds).predicted_s)
+
+    # Moving a boundary changes a neighbour too: the move is scored on both, so that a step
+    # does not balance itself by leaving its neighbour a handful of samples that cannot be.
+    left_after = {dl: neighbour_balance(b[j - 1], b[j] + dl) if dl or movable(j - 1) else 0.0 for dl in left}
+    right_after = {dr: neighbour_balance(b[j + 1] + dr, b[j + 2]) if dr or movable(j + 1) else 0.0 for dr in right}
+    scored: dict[tuple[int, int], tuple[tuple[float, int, int, int], StepSplit]] = {}
+
+    def score(dl: int, dr: int) -> tuple[float, int, int, int]:
+        if (dl, dr) not in scored:
+            lo, hi = b[j] + dl, b[j + 1] + dr
+            if hi - lo < num_ranks or (dl and left_after[dl] == 0.0) or (dr and right_after[dr] == 0.0):
+                return (math.inf, 0, dl, dr)  # every step keeps one sample per rank
+            split = split_step(plan.stream[lo:hi], lengths, cost_fn, speeds)
+            total = balance(split.predicted_s) + left_after[dl] + right_after[dr]
+            scored[dl, dr] = ((-total, abs(dl) + abs(dr), dl, dr), split)
+        return scored[dl, dr][0]
+
+    best: tuple[float, int, int, int] = (math.inf, 0, 0, 0)
     for dl in left:
         for dr in right:
-            lo, hi = b[j] + dl, b[j + 1] + dr
-            if hi - lo < num_ranks:
-                continue
-            if dl and lo - b[j - 1] < num_ranks:  # the left neighbour keeps one per rank
-                continue
-            if dr and b[j + 2] - hi < num_ranks:
-                continue
-            split = split_step(plan.stream[lo:hi], lengths, cost_fn, speeds)
-            key = (-balance(split.predicted_s), abs(dl) + abs(dr), dl, dr)
-            if best is None or key < best:
-                best, best_split = key, split
-    assert best is not None and best_split is not None  # (0, 0) is always a candidate
+            best = min(best, score(dl, dr))
     _, _, dl, dr = best
+    best_split = scored[dl, dr][1]  # (0, 0) is always a candidate
     b[j] += dl
     b[j + 1] += dr
     plan.taken += 1
@@ -210,10 +230,16 @@ class StepSplit:
     predicted_s: np.ndarray
 
 
-def split_step(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn, speeds: np.ndarray) -> StepSplit:
+def split_step(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence[CostFn],
+               speeds: np.ndarray) -> StepSplit:
     """Divide one step's samples among ranks by LPT on padded cost / speed (see module doc).
 
     Every rank gets at least one sample when the step has at least as many samples as ranks.
+    ``cost_fn`` may be one per rank, each rank's ``speeds`` entry then in its own cost units:
+    devices differ in how their time grows with length (a rank throttled by a CPU quota, or
+    a GPU without fused attention, loses more on long samples than on short ones), and one
+    speed per rank would give the slow rank too much of the long steps and too little of
+    the short ones.
 
     Raises:
         ValueError: if a speed is not positive and finite.
@@ -222,20 +248,27 @@ def split_step(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn, speeds: n
     if not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
         raise ValueError(f"speeds must be positive and finite, got {speeds.tolist()}")
     num_ranks = len(speeds)
+    fns = list(cost_fn) if isinstance(cost_fn, (list, tuple)) else [cost_fn] * num_ranks
     lengths = np.asarray(lengths)
     step_lengths = lengths[step]
     order = np.lexsort((step, -step_lengths))  # longest first; ties by index, for determinism
-    item_cost = cost_fn(step_lengths[order])
-    count = np.zeros(num_ranks)
-    longest = np.zeros(num_ranks)  # cost of the longest sample each rank holds
+    sorted_lengths = step_lengths[order]
+    # every sample's cost in every rank's cost units: [ranks, samples]
+    item_cost = np.stack([np.asarray(f(sorted_lengths), dtype=np.float64) for f in fns])
+    # Plain Python floats: this loop runs for every candidate boundary of every step taken,
+    # and numpy's per-call overhead on arrays of R elements would dominate it.
+    rate = [1.0 / float(v) for v in speeds]
+    count = [0] * num_ranks
+    longest = [0.0] * num_ranks  # cost, in its own units, of the longest sample each rank holds
     owner = np.empty(len(order), dtype=np.int64)
-    for k, c in enumerate(item_cost):
+    for k, column in enumerate(item_cost.T.tolist()):
         # Padded batch cost if this sample joined each rank, in that rank's time.
-        finish = (count + 1) * np.maximum(longest, c) / speeds
-        r = int(np.argmin(finish))
+        finish = [(count[r] + 1) * max(longest[r], column[r]) * rate[r] for r in range(num_ranks)]
+        r = finish.index(min(finish))
         owner[k] = r
         count[r] += 1
-        longest[r] = max(longest[r], c)
+        longest[r] = max(longest[r], column[r])
+    count = np.asarray(count)
     # A very slow rank may have been given nothing: hand it the cheapest sample of the
     # busiest rank, so every rank takes part in every step.
     for r in np.flatnonzero(count == 0):
@@ -245,5 +278,5 @@ def split_step(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn, speeds: n
         k = int(np.flatnonzero(owner == donor)[-1])  # the donor's shortest sample
         owner[k], count[donor], count[r] = r, count[donor] - 1, 1
     batches = [step[order[owner == r]] for r in range(num_ranks)]
-    predicted = np.array([padded_cost(cost_fn, lengths[b]) / speeds[r] for r, b in enumerate(batches)])
+    predicted = np.array([padded_cost(fns[r], lengths[b]) / speeds[r] for r, b in enumerate(batches)])
     return StepSplit(batches=batches, predicted_s=predicted)

@@ -98,3 +98,36 @@ def test_noisy_speeds_move_by_bounded_steps_and_settle():
     assert shares[-1] == pytest.approx(2 / 3, abs=0.05)
     flips = sum(1 for a, b, c in zip(shares, shares[1:], shares[2:], strict=False) if (b - a) * (c - b) < -1e-9)
     assert flips <= len(shares) // 4  # no oscillation: the direction of change rarely flips
+
+
+def _replan_unequal_alpha(rank: int, world_size: int):
+    # rank 1 is as fast as rank 0 on short samples and 3x slower on long ones: its cost has
+    # a larger quadratic term (injected numbers, not sleeps)
+    lengths = np.random.default_rng(0).integers(16, 1024, size=800)
+    sampler = BalancedBatchSampler(lengths, rank=rank, world_size=world_size, batch_cost=40_000,
+                                   cost_fn=AttentionCost(1e-3))
+    part = DynamicPartitioner(sampler, cold_start_steps=3, window_steps=20, replan_every_steps=4)
+    alpha = [5e-4, 4e-3][rank]
+    done, epoch, balances = 0, 0, []
+    while done < 60:
+        sampler.set_epoch(epoch)
+        for step in range(len(sampler)):
+            batches = sampler.global_batches(step)
+            times = [AttentionCost(a)(lengths[b]).max() * len(b) for a, b in zip([5e-4, 4e-3], batches, strict=True)]
+            balances.append(1 - (max(times) - min(times)) / max(times))
+            mine = batches[rank]
+            part.observe(lengths[mine], 1e-6 * AttentionCost(alpha)(lengths[mine]).max() * len(mine))
+            done += 1
+            if part.due(done):
+                part.replan(done)
+        epoch += 1
+    return part.history[-1].rank_alphas, float(np.median(balances[-20:]))
+
+
+def test_each_rank_gets_its_own_cost_when_that_explains_its_times():
+    (alphas0, balance0), (alphas1, _) = run_ranks(_replan_unequal_alpha, world_size=2, timeout_s=90)
+    assert alphas0 == alphas1
+    assert alphas0[0] == pytest.approx(5e-4, rel=0.05) and alphas0[1] == pytest.approx(4e-3, rel=0.05)
+    # one speed per rank cannot do this (0.75 at the best single ratio): the ratio runs from
+    # 1.05 to 3.4 with length
+    assert balance0 > 0.95

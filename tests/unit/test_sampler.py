@@ -123,3 +123,23 @@ def test_set_epoch_after_loading_keeps_the_loaded_position():
         assert (loaded.epoch, loaded.position) == (1, 3)
         loaded.set_epoch(1)  # a second time starts the epoch over, as always
         assert loaded.position == 0
+
+
+def test_per_rank_cost_functions_are_kept_across_a_resume_and_checked_on_load():
+    lengths = np.random.default_rng(1).integers(10, 1000, size=400)
+    kwargs = dict(world_size=2, batch_cost=6000, cost_fn=AttentionCost(1e-3), seed=2)
+    s = BalancedBatchSampler(lengths, rank=0, **kwargs)
+    s.set_rank_cost_fns([AttentionCost(1e-4), AttentionCost(2e-3)])
+    s.set_speeds([1.0, 0.6])
+    it = iter(s)
+    next(it)
+    state = s.state_dict()
+    rest = list(it)
+    fresh = BalancedBatchSampler(lengths, rank=0, **kwargs)
+    fresh.load_state_dict(state)
+    assert list(fresh) == rest
+    with pytest.raises(ValueError, match="rank cost functions: 3 given for 2 ranks"):
+        s.set_rank_cost_fns([AttentionCost(0.0)] * 3)
+    for bad in ([1e-3], [1e-3, float("nan")], [1e-3, -1.0], "x"):
+        with pytest.raises(ValueError, match=r"rank_alphas=.* must be 2 finite alphas >= 0"):
+            BalancedBatchSampler(lengths, rank=0, **kwargs).load_state_dict({**state, "rank_alphas": bad})

@@ -97,3 +97,33 @@ def test_planner_rejects_bad_input():
         plan_epoch(np.ones(3), cost_fn=linear_cost(), batch_cost=10, num_ranks=4, seed=0, epoch=0)
     with pytest.raises(ValueError, match="speeds must be positive"):
         split_step(np.arange(2), np.ones(2), linear_cost(), np.array([1.0, -1.0]))
+
+
+def test_per_rank_cost_functions_give_the_rank_slow_on_long_samples_fewer_of_them():
+    # rank 1 has 4x rank 0's alpha: as fast on short samples, much slower on long ones
+    costs = [AttentionCost(2e-4), AttentionCost(8e-4)]
+    speeds = np.array([1.0, 1.0])
+    short, long = np.full(40, 50), np.full(12, 1000)
+    for lengths, expect_even in ((short, True), (long, False)):
+        split = split_step(np.arange(len(lengths)), lengths, costs, speeds)
+        sizes = [len(b) for b in split.batches]
+        if expect_even:
+            assert abs(sizes[0] - sizes[1]) <= 2
+        else:
+            assert sizes[0] > sizes[1]  # (1 + 0.2) : (1 + 0.8) per sample of 1000
+        for b, t, c in zip(split.batches, split.predicted_s, costs, strict=True):
+            assert t == pytest.approx(padded_cost(c, lengths[b]))  # each rank in its own units
+        assert balance(split.predicted_s) > 0.85
+
+
+def test_a_step_does_not_balance_itself_by_starving_its_neighbour():
+    # steps of 6 equal samples at a speed ratio of 2.25: a step could reach 9 : 4 by taking
+    # 7 samples, which leaves a neighbour 2 (1 : 1, a balance of 0.44); moves are scored on
+    # the neighbours too, so no step is left that small
+    lengths = np.full(600, 1000)
+    cost = linear_cost()
+    plan = plan_epoch(lengths, cost_fn=cost, batch_cost=6_000, num_ranks=2, seed=0, epoch=0)
+    balances = [balance(take_step(plan, lengths, cost, np.array([2.25, 1.0])).predicted_s)
+                for _ in range(plan.num_steps)]
+    assert min(balances) >= 0.75 and np.percentile(balances, 10) >= 0.88
+    assert sorted(plan.stream.tolist()) == list(range(600))

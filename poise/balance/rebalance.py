@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 RECENT_STEPS = 5  # the steps compared with the rest of the window to notice a change of speed
 CHANGE_Z = 4.0  # standard errors between them that count as a change (not noise)
 MIN_CHANGE = 0.10  # ... and the smallest relative change of speed that does
+PRECISER = 0.9  # each rank's own α is used when it cuts the worst relative error of the speeds by 10 %
 
 
 @dataclass(frozen=True)
@@ -225,14 +226,16 @@ class DynamicPartitioner:
         before = self.shares
         self.shares, decision = choose_shares(before, estimate, self.max_share_change, self.confident_error)
         if fitted is not None:
-            # Each rank's own α is taken only when it makes a confident estimate more precise
-            # (the per-step speeds vary less once the cost is right): a fit is noisy when the
-            # speeds are. The current shares are first put in the new units.
+            # Each rank's own α is taken only from a full window, and only when it makes a
+            # confident estimate clearly more precise (the per-step speeds vary less once the
+            # cost is right): fitted from 9 steps, a half-speed rank's α came out 1/15 of its
+            # peer's. The current shares are first put in the new units.
             lin, quad = every[:, :, 0].sum(axis=1), every[:, :, 1].sum(axis=1)
             current = before * (lin + fitted * quad) / (lin + alphas * quad)
             refit = costed(fitted)
             shares, refit_decision = choose_shares(current, refit, self.max_share_change, self.confident_error)
-            if refit_decision == "jump" and np.max(refit.rel_error) <= np.max(estimate.rel_error):
+            full = len(self.window) == self.window.maxlen
+            if full and refit_decision == "jump" and np.max(refit.rel_error) < PRECISER * np.max(estimate.rel_error):
                 alphas, estimate, self.shares, decision = fitted, refit, shares, refit_decision
             self.alphas = alphas
             self.sampler.set_rank_cost_fns([AttentionCost(float(a)) for a in alphas])

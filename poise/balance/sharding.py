@@ -18,12 +18,16 @@ An epoch is planned in three stages:
    is 8 against 7, a balance of 0.875. So the step may move its boundaries by up to
    ``max_shift`` samples into a neighbouring step of the same window that has not been taken
    yet (neighbours in the stream have nearly the same length, so padding is unchanged), and
-   keeps the boundaries whose split, under the *current* speeds, is best balanced.
-   Coverage stays exact: samples only move between steps not yet taken.
+   keeps the boundaries that best balance the step *and* the neighbours it changes, under
+   the *current* speeds: scored on the step alone, a step of long samples would take what
+   it needs and leave a neighbour too few samples to be split well (2 at a speed ratio of
+   2.25: a balance of 0.44). Coverage stays exact: samples only move between steps not yet
+   taken.
 3. **Split** (:func:`split_step`). The step's samples are divided among ranks so that every
    rank's *predicted time* — its padded batch cost divided by its speed — is as equal as
-   possible. Algorithm: greedy LPT for uniform machines (Q||Cmax; Graham 1969, Gonzalez et
-   al. 1977): samples in decreasing cost, each to the rank where it would finish earliest.
+   possible; each rank may have its own cost function (a device whose time grows faster
+   with length). Algorithm: greedy LPT for uniform machines (Q||Cmax; Graham 1969, Gonzalez
+   et al. 1977): samples in decreasing cost, each to the rank where it would finish earliest.
    Why LPT: it is O(n·R), deterministic, within 2x of optimal in general and, because
    bucketing makes a step's samples nearly equal in cost, within one sample of optimal per
    rank here; stage 2 removes most of that last sample's error.

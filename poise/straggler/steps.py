@@ -14,11 +14,20 @@ step that :class:`poise.Session`'s deadline step delegates to it:
    bucket's all-reduce and nobody hangs.
 3. **The count** (:meth:`begin_reduce` / :meth:`end_reduce`): right before the last
    backward each rank starts one small asynchronous all-reduce of ``[loss terms computed,
-   micro-batches computed, predicted rate]`` per rank (3 × world numbers), issued before the
-   gradient buckets on every rank. When backward returns, the gradient (each rank's sum of
+   micro-batches computed, predicted rate, gap]`` per rank (4 × world numbers), issued before
+   the gradient buckets on every rank. When backward returns, the gradient (each rank's sum of
    per-term gradients divided by the planned total) is rescaled by planned / computed
    terms: the exact mean over the terms actually computed, whatever the codec or collective.
    The same numbers give every rank the new pool and the next step's deadline.
+
+Where the deadline is counted from: the end of the previous step's reduction (which every
+rank leaves at nearly the same moment) plus the usual gap to the next step's start (the
+optimizer step, the next batch: the smallest gap any rank had in the step before, agreed in
+the count). A rank delayed after its reduction (a stall after its last micro-batch, a pause
+before its next step) therefore starts late with less time left, and still reaches the next
+reduction with the others; counted from its own start, it would take its whole deadline and
+make every other rank wait for the delay. A rank more than half the deadline late (a
+checkpoint save, the first step) counts from its own start.
 
 Why the median rank's predicted time sets the deadline, and the queues hold pooled work:
 a delayed rank's rest goes to the pool, and a rank that is ahead takes pooled work until
@@ -57,6 +66,7 @@ class StepPlan:
     deadline_s: float | None  # seconds after the step's start; None: wait for everyone
     reference: float  # planned loss terms over all ranks (the weights divide by it)
     started_s: float = 0.0  # perf_counter() at the step's start
+    gap_s: float = -1.0  # seconds from the previous reduction's end to started_s (-1: no previous)
     computed: int = 0  # micro-batches this rank computed
     terms: float = 0.0  # loss terms this rank computed
     last: bool = False  # the current micro-batch is this rank's last (its backward reduces)
@@ -104,6 +114,8 @@ class DeadlineRunner:
         self.trace: list[tuple[float, float]] = []
         self._wait_for_all = False  # the step before computed nothing anywhere: no deadline now
         self._observed_steps = 0  # steps finished (the first one's micro-batches are not observed)
+        self._settled_s: float | None = None  # perf_counter() when the last reduction ended here
+        self._usual_gap_s: float | None = None  # agreed: the smallest gap of any rank in the last step
 
     # -- plan ------------------------------------------------------------------------------
 
@@ -150,8 +162,9 @@ class DeadlineRunner:
             time.sleep(stall)
             plan.stall_s += stall
         limit = plan.deadline_s
+        origin = self._origin_s(plan)
         for j, indices in enumerate(queue):
-            elapsed = time.perf_counter() - plan.started_s
+            elapsed = time.perf_counter() - origin
             need = self._predict_s(indices)
             if limit is not None and elapsed + need > limit:
                 break
@@ -193,6 +206,17 @@ class DeadlineRunner:
         if not plan.reduced:
             raise RuntimeError(f"step {plan.index}: the deadline step ended without its reduction")
 
+    def _origin_s(self, plan: StepPlan) -> float:
+        """Where ``plan``'s deadline counts from (perf_counter seconds; see module doc)."""
+        if self._settled_s is not None:
+            plan.gap_s = max(0.0, plan.started_s - self._settled_s)
+        if plan.deadline_s is None or self._settled_s is None or self._usual_gap_s is None:
+            return plan.started_s
+        anchor = self._settled_s + self._usual_gap_s
+        if plan.started_s - anchor > 0.5 * plan.deadline_s:
+            return plan.started_s
+        return min(anchor, plan.started_s)
+
     # -- the count -------------------------------------------------------------------------
 
     def begin_reduce(self, plan: StepPlan, micro: np.ndarray | None) -> None:
@@ -201,11 +225,12 @@ class DeadlineRunner:
         if plan.reduced:
             raise RuntimeError(f"step {plan.index}: a second reducing backward in one deadline step")
         w = self.world_size
-        vector = torch.zeros(3 * w, dtype=torch.float64, device=self.device)
+        vector = torch.zeros(4 * w, dtype=torch.float64, device=self.device)
         own_rate = self.predictor.predict()
         vector[self.rank] = plan.terms + (self.terms_of(micro) if micro is not None else 0.0)
         vector[w + self.rank] = plan.computed + (micro is not None)
         vector[2 * w + self.rank] = own_rate if own_rate is not None else 0.0
+        vector[3 * w + self.rank] = plan.gap_s
         plan.vector, plan.reduced = vector, True
         plan.work = dist.all_reduce(vector, async_op=True)
 
@@ -217,8 +242,11 @@ class DeadlineRunner:
         w = self.world_size
         plan.total_terms = float(values[:w].sum())
         plan.k = np.rint(values[w:2 * w]).astype(np.int64)
-        rates = values[2 * w:]
+        rates = values[2 * w:3 * w]
         self.rates = np.where(rates > 0, rates, math.nan)
+        gaps = values[3 * w:]
+        self._usual_gap_s = float(gaps.min()) if np.all(gaps >= 0) else None
+        self._settled_s = time.perf_counter()
         plan.settled = True
         if plan.total_terms > 0 and plan.total_terms != plan.reference:
             scale = plan.reference / plan.total_terms

@@ -43,7 +43,7 @@ def _steps(rank: int, world_size: int, mode: str, delay: str, codec: str, steps:
     all_reduce = dist.all_reduce
 
     def counting(tensor, *args, **kwargs):
-        if tensor.numel() <= 3 * world_size:
+        if tensor.numel() <= 4 * world_size:
             small[0] += 1
         return all_reduce(tensor, *args, **kwargs)
 

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from poise.config import StragglerConfig
 from poise.straggler.delays import DelayModel
 from poise.straggler.plan import build_queues, catch_up, deadline_s, pool_after, split_micro
 from poise.straggler.predict import evaluate, make_predictor
+from poise.straggler.steps import DeadlineRunner, StepPlan
 
 
 @settings(max_examples=60, deadline=None)
@@ -115,3 +117,22 @@ def test_predictors_find_the_typical_rate_under_stalls(name):
     assert score["mdape_typical"] < (0.1 if name != "ewma" else 0.3)
     with pytest.raises(ValueError, match=r"straggler.predictor='arima' is unknown"):
         make_predictor("arima")
+
+
+def test_the_deadline_counts_from_the_last_reduction_plus_the_usual_gap():
+    runner = DeadlineRunner(StragglerConfig(mode="deadline"), rank=0, world_size=1, costs=np.ones(8),
+                            loss_terms=None, device=torch.device("cpu"))
+    queues = build_queues([np.arange(8)], np.zeros(0, dtype=np.int64), 4, 2)
+
+    def plan(started_s: float, deadline_s: float | None = 1.0) -> StepPlan:
+        return StepPlan(index=1, queues=queues, pool=np.zeros(0, dtype=np.int64), deadline_s=deadline_s,
+                        reference=8.0, started_s=started_s)
+
+    assert runner._origin_s(plan(5.0)) == 5.0  # no reduction yet: the rank's own start
+    runner._settled_s, runner._usual_gap_s = 100.0, 0.05
+    late = plan(100.3)
+    assert runner._origin_s(late) == pytest.approx(100.05)  # 0.25 s late: that much less time
+    assert late.gap_s == pytest.approx(0.3)  # what it tells the others
+    assert runner._origin_s(plan(100.04)) == 100.04  # never more time than from its own start
+    assert runner._origin_s(plan(100.9)) == 100.9  # over half the deadline late: its own start
+    assert runner._origin_s(plan(100.3, deadline_s=None)) == 100.3  # waiting for everyone

@@ -182,7 +182,6 @@ class DynamicPartitioner:
         self.fit_alpha = fit_alpha and isinstance(sampler.cost_fn, AttentionCost) and sampler.cost_fn.alpha > 0
         self.device = device or torch.device("cpu")
         self.shares = np.full(sampler.world_size, 1.0 / sampler.world_size)
-        self.alphas: np.ndarray | None = None  # each rank's α, the units of its share (fit_alpha)
         self.window: deque[tuple[float, float, float]] = deque(maxlen=window_steps)
         self.history: list[Replan] = []
 
@@ -209,7 +208,6 @@ class DynamicPartitioner:
         else:
             every = mine.cpu().numpy()[None]
         alpha = getattr(self.sampler.cost_fn, "alpha", None)
-        alphas = self.alphas if self.alphas is not None else np.full(world, alpha or 0.0)
         fitted = None
         if self.fit_alpha:
             fits = [fit_alpha(every[r, :, 0], every[r, :, 1], every[r, :, 2]) for r in range(world)]
@@ -218,6 +216,9 @@ class DynamicPartitioner:
                 alpha = float(np.median(known))
                 self.sampler.set_cost_fn(AttentionCost(alpha))
                 fitted = np.array([alpha if a is None else a for a in fits])  # a failed fit: the median
+        own = self.sampler.rank_cost_fns
+        adopted = own is not None and all(isinstance(f, AttentionCost) for f in own)
+        alphas = np.array([f.alpha for f in own]) if adopted else np.full(world, alpha or 0.0)
 
         def costed(a: np.ndarray) -> SpeedEstimate:
             return estimate_speeds(every[:, :, 0] + a[:, None] * every[:, :, 1], every[:, :, 2])
@@ -225,7 +226,7 @@ class DynamicPartitioner:
         estimate = costed(alphas)
         before = self.shares
         self.shares, decision = choose_shares(before, estimate, self.max_share_change, self.confident_error)
-        if fitted is not None:
+        if fitted is not None and len(self.window) == self.window.maxlen:
             # Each rank's own α is taken only from a full window, and only when it makes a
             # confident estimate clearly more precise (the per-step speeds vary less once the
             # cost is right): fitted from 9 steps, a half-speed rank's α came out 1/15 of its
@@ -234,11 +235,9 @@ class DynamicPartitioner:
             current = before * (lin + fitted * quad) / (lin + alphas * quad)
             refit = costed(fitted)
             shares, refit_decision = choose_shares(current, refit, self.max_share_change, self.confident_error)
-            full = len(self.window) == self.window.maxlen
-            if full and refit_decision == "jump" and np.max(refit.rel_error) < PRECISER * np.max(estimate.rel_error):
+            if refit_decision == "jump" and np.max(refit.rel_error) < PRECISER * np.max(estimate.rel_error):
                 alphas, estimate, self.shares, decision = fitted, refit, shares, refit_decision
-            self.alphas = alphas
-            self.sampler.set_rank_cost_fns([AttentionCost(float(a)) for a in alphas])
+                self.sampler.set_rank_cost_fns([AttentionCost(float(a)) for a in alphas])
         if estimate.keep_steps < len(self.window):  # a change of speed: the older steps are stale
             for _ in range(len(self.window) - estimate.keep_steps):
                 self.window.popleft()
@@ -257,16 +256,10 @@ class DynamicPartitioner:
 
     def state_dict(self) -> dict[str, Any]:
         return {"shares": self.shares.tolist(), "window": list(self.window),
-                "alphas": None if self.alphas is None else self.alphas.tolist(),
                 "history": [e.__dict__ for e in self.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.shares = np.asarray(state["shares"], dtype=np.float64)
-        alphas = state.get("alphas")
-        self.alphas = None if alphas is None else np.asarray(alphas, dtype=np.float64)
-        if self.alphas is not None and (self.alphas.shape != self.shares.shape or not np.all(np.isfinite(self.alphas))
-                                        or np.any(self.alphas < 0)):
-            raise ValueError(f"re-planner state: alphas={alphas!r} must be one finite alpha >= 0 per rank")
         self.window.clear()
         self.window.extend(tuple(w) for w in state["window"])
         self.history = [Replan(**e) for e in state["history"]]

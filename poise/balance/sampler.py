@@ -371,8 +371,9 @@ class BalancedBatchSampler(_EpochSampler):
             # alphas of AttentionCost; a custom cost_fn must be passed again when loading
             "alpha": getattr(self.cost_fn, "alpha", None),
             "epoch_alpha": getattr(self._epoch_cost_fn, "alpha", None),
-            "rank_alphas": None if self.rank_cost_fns is None
-            else [getattr(f, "alpha", None) for f in self.rank_cost_fns],
+            # each rank's own AttentionCost (set_rank_cost_fns); custom ones must be set again
+            "rank_alphas": [f.alpha for f in self.rank_cost_fns] if self.rank_cost_fns is not None
+            and all(isinstance(f, AttentionCost) for f in self.rank_cost_fns) else None,
             # settled step boundaries: they depend on the speeds each step was taken with
             "bounds": self._plan.bounds.tolist(),
             "taken": self._plan.taken,

@@ -1,0 +1,31 @@
+"""``poise bench balance``'s pure parts: when a run counts as converged, oscillation, run choice."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from poise.bench import balance as bench
+
+
+def test_converged_is_the_first_step_whose_next_window_has_a_median_at_the_target():
+    per_step = [0.5] * 12 + [0.96] + [0.5] * 10 + [0.96] * 20
+    # the lone good step 12 does not count; from step 19 on, 6 of the next 10 steps are good
+    assert bench.converged_at(per_step, start=10, target=0.95, window=10) == 19
+    assert bench.converged_at(per_step, start=30, target=0.95, window=10) == 30
+    assert bench.converged_at([0.9] * 40, start=1, target=0.95) is None
+
+
+def test_a_share_that_goes_up_then_down_is_one_reversal():
+    up_down = [{"shares": [0.6, 0.4]}, {"shares": [0.7, 0.3]}, {"shares": [0.65, 0.35]}]
+    assert bench.reversals(up_down) == 1
+    assert bench.reversals([{"shares": [0.6, 0.4]}, {"shares": [0.6, 0.4]}, {"shares": [0.7, 0.3]}]) == 0
+
+
+def test_runs_outside_a_to_f_are_refused_before_any_job_starts(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--runs", "c,x", "--out", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="--runs='c,x': allowed are the letters a-f"):
+        bench.run(args)

@@ -29,7 +29,12 @@ are still noisy.
 
 Schedule: the first ``cold_start_steps`` steps run on the equal split (the first step of a
 process is left out of the window: it pays for DDP's bucket rebuild and lazy allocations),
-the first re-plan happens right after them, and then every ``replan_every_steps`` steps.
+the first re-plan happens right after them, and then every ``replan_every_steps`` steps. The
+cold start is the seed's guard against acting on a few noisy early steps; a measurement that
+is already confident does not need it. So the re-planner also looks every
+``replan_every_steps`` steps during the cold start, and moves only when the decision is a
+jump (``wait`` otherwise): a 2x slower rank is then balanced from step 5 instead of 10, which
+is 5 steps at balance 0.5 less (0.02 of a 150-step run's balance).
 """
 
 from __future__ import annotations
@@ -153,7 +158,7 @@ class Replan:
     shares: list[float]
     alpha: float | None
     rel_error: list[float] | None = None  # relative standard error of each speed
-    decision: str = "damped"  # hold, jump or damped (choose_shares)
+    decision: str = "damped"  # hold, jump or damped (choose_shares); wait: in the cold start, not confident
     window_steps: int = 0  # steps the estimate used (fewer after a change of speed)
     rank_alphas: list[float] | None = None  # each rank's own α (its speed is in its own cost units)
 
@@ -193,9 +198,13 @@ class DynamicPartitioner:
         self.window.append(window_terms(batch_lengths, compute_s))
 
     def due(self, steps_done: int) -> bool:
-        """Whether to re-plan before the next step, after ``steps_done`` steps in total."""
+        """Whether to re-plan before the next step, after ``steps_done`` steps in total: at the
+        cold start's end and every ``replan_every_steps`` steps after it; before that, at
+        multiples of ``replan_every_steps`` too, where only a confident estimate acts (see
+        :meth:`replan`)."""
         since = steps_done - self.cold_start_steps
-        return since >= 0 and since % self.replan_every_steps == 0 and len(self.window) > 0
+        every = self.replan_every_steps
+        return len(self.window) > 0 and (steps_done % every == 0 if since < 0 else since % every == 0)
 
     def replan(self, step: int) -> Replan:
         """Exchange windows (a collective: call on every rank at the same step) and re-split."""
@@ -226,6 +235,8 @@ class DynamicPartitioner:
         estimate = costed(alphas)
         before = self.shares
         self.shares, decision = choose_shares(before, estimate, self.max_share_change, self.confident_error)
+        if self._observed < self.cold_start_steps and decision != "jump":
+            self.shares, decision = before, "wait"  # the cold start: only a confident estimate acts
         if fitted is not None and len(self.window) == self.window.maxlen:
             # Each rank's own α is taken only from a full window, and only when it makes a
             # confident estimate clearly more precise (the per-step speeds vary less once the

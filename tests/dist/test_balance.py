@@ -58,11 +58,11 @@ def test_unequal_batches_give_the_gradient_of_the_global_batch(codec, rtol, atol
     assert abs(loss_weight([np.array(b) for b in SPLIT], 0, np.array(LENGTHS) - 1) - 1.0) > 0.1
 
 
-def _replan(rank: int, world_size: int, noise: float):
+def _replan(rank: int, world_size: int, noise: float, cold_start_steps: int = 3):
     lengths = np.random.default_rng(0).integers(16, 512, size=600)
     sampler = BalancedBatchSampler(lengths, rank=rank, world_size=world_size, batch_cost=20_000,
                                    cost_fn=AttentionCost(1e-3))
-    part = DynamicPartitioner(sampler, cold_start_steps=3, window_steps=20, replan_every_steps=4)
+    part = DynamicPartitioner(sampler, cold_start_steps=cold_start_steps, window_steps=20, replan_every_steps=4)
     slowness = 1.0 + rank  # rank r computes (1 + r)x slower: injected numbers, not sleeps
     rng = np.random.default_rng(rank)
     events, done, epoch = [], 0, 0
@@ -87,6 +87,18 @@ def test_ranks_agree_on_replans_and_a_confident_estimate_moves_straight_to_its_t
     step, shares, decision = events0[0]
     assert decision == "jump" and shares[0] == pytest.approx(2 / 3, abs=0.02)  # rank 0 is twice as fast
     assert all(sh[0] == pytest.approx(2 / 3, abs=0.02) for _, sh, _ in events0[1:])  # and then stays
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.0])
+def test_in_the_cold_start_only_a_confident_estimate_moves_the_shares(noise):
+    (events, _), _ = run_ranks(_replan, world_size=2, timeout_s=90, noise=noise, cold_start_steps=10)
+    early = [(step, shares, decision) for step, shares, decision in events if step < 10]
+    assert [step for step, _, _ in early] == [4, 8]  # looks every 4 steps inside the cold start of 10
+    if noise == 0.0:  # 3 steps that agree exactly: confident, straight to the target at step 4
+        assert early[0][2] == "jump" and early[0][1][0] == pytest.approx(2 / 3, abs=0.02)
+    else:  # 3 or 7 noisy steps: not confident, the equal split is kept until the cold start ends
+        assert [d for _, _, d in early] == ["wait", "wait"] and all(sh == [0.5, 0.5] for _, sh, _ in early)
+    assert [step for step, _, _ in events if step >= 10][:2] == [10, 14]
 
 
 def test_noisy_speeds_move_by_bounded_steps_and_settle():

@@ -14,7 +14,9 @@ its core away, which at 4 workers on 2 cores lets the others run faster meanwhil
 workers each has its own core and a delay is time lost.
 
 Per run: throughput (trained samples/s over the training steps) against the delay-free run
-of the same world size and seed, p50 and p99 step time, the share of planned micro-batches
+of the same world size and seed (run twice, before and after the delayed runs, and
+interpolated linearly to the time each run ended: this machine's speed drifts by up to 10 %
+over minutes, and bracketing cancels a steady drift), p50 and p99 step time, the share of planned micro-batches
 deferred, training loss at equal real tokens against delay-free (mean over seeds), wall time
 to the delay-free run's loss, and samples trained twice within an epoch (from the per-step
 sample records). Medians over seeds. Then every predictor scored on the recorded micro-batch
@@ -118,6 +120,7 @@ def _row(name: str, world: int, model: str, mode: str, seed: int, rep: dict[str,
     dup, _ = duplicates_per_epoch(out / name)
     return {
         "run": name, "world_size": world, "delay_model": model, "mode": mode, "seed": seed,
+        "finished_s": (out / name / "report.json").stat().st_mtime,  # wall clock, for the reference's drift
         "throughput_samples_per_s": rep["throughput_samples_per_s"],
         "p50_step_s": float(np.median(steps)), "p99_step_s": float(np.quantile(steps, 0.99)),
         "deferred_share": sum(s["micro_deferred"] for s in summaries) / planned if planned else 0.0,
@@ -194,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
                     flags = [*common, "--straggler", MODES[mode], "--delay", MODELS[model]]
                     rows.append(_row(name, world, model, mode, seed, run_train_job(name, out, flags, args.timeout_s),
                                      out))
+            name = f"w{world}-delay-free-after-s{seed}"
+            rows.append(_row(name, world, "none", "delay-free", seed, run_train_job(name, out, common,
+                                                                                   args.timeout_s), out))
     checks = [] if args.no_epoch_check else _epoch_checks(args, out, models, max(worlds))
     return _tables(args, out, rows, checks, models)
 
@@ -208,7 +214,7 @@ def _read_back(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             continue
         world, rest = name[1:].split("-", 1)
         rest, seed = rest.rsplit("-s", 1)
-        if rest == "delay-free":
+        if rest in ("delay-free", "delay-free-after"):
             model, mode = "none", "delay-free"
         else:
             model = next(m for m in MODELS if rest.startswith(m + "-"))
@@ -261,13 +267,20 @@ def _tables(args: argparse.Namespace, out: Path, rows: list[dict[str, Any]], che
 
 
 def _compare(rows: list[dict[str, Any]]) -> None:
-    """Each run against the delay-free run of its world size and seed."""
-    free = {(r["world_size"], r["seed"]): r for r in rows if r["mode"] == "delay-free"}
+    """Each run against the delay-free runs of its world size and seed: their throughput
+    interpolated to the time the run ended (constant outside them, or with one of them);
+    losses against the first (the delay-free runs of a seed train the same samples)."""
+    free: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in sorted((r for r in rows if r["mode"] == "delay-free"), key=lambda r: r["finished_s"]):
+        free.setdefault((r["world_size"], r["seed"]), []).append(r)
     common = {w: min(r["tokens"] for r in rows if r["world_size"] == w) for w in {r["world_size"] for r in rows}}
     for r in rows:
-        ref = free[(r["world_size"], r["seed"])]
+        refs = free[(r["world_size"], r["seed"])]
+        ref = refs[0]
         tokens = common[r["world_size"]]
-        r["throughput_vs_delay_free"] = r["throughput_samples_per_s"] / ref["throughput_samples_per_s"]
+        reference = np.interp(r["finished_s"], [x["finished_s"] for x in refs],
+                              [x["throughput_samples_per_s"] for x in refs])
+        r["throughput_vs_delay_free"] = r["throughput_samples_per_s"] / float(reference)
         loss, ref_loss = (loss_at_tokens(x["_report"]["loss_curve"], tokens) for x in (r, ref))
         r["loss_at_common_tokens"] = loss
         r["loss_vs_delay_free"] = loss / ref_loss - 1.0

@@ -1,0 +1,33 @@
+"""``poise bench stragglers``'s reference: the delay-free runs before and after, interpolated in time."""
+
+from __future__ import annotations
+
+import pytest
+
+from poise.bench.stragglers import _compare
+
+
+def _row(name: str, mode: str, finished_s: float, samples_per_s: float, seed: int = 0) -> dict:
+    curve = [[1000.0 * (i + 1), 3.0 - 0.1 * i] for i in range(12)]
+    return {"run": name, "world_size": 4, "delay_model": "none" if mode == "delay-free" else "lognormal",
+            "mode": mode, "seed": seed, "finished_s": finished_s, "throughput_samples_per_s": samples_per_s,
+            "tokens": curve[-1][0], "_report": {"loss_curve": curve, "step_s_per_step": [1.0] * 12}}
+
+
+def test_a_run_between_the_delay_free_runs_is_compared_with_their_speed_at_its_time():
+    # the machine slowed from 100 to 80 samples/s over the seed's runs: a run at 90 in the
+    # middle is as fast as delay-free, not 10 % slower than the first delay-free run
+    rows = [_row("before", "delay-free", 0.0, 100.0), _row("mid", "deadline", 5.0, 90.0),
+            _row("late", "ddp", 7.5, 68.0), _row("after", "delay-free", 10.0, 80.0)]
+    _compare(rows)
+    ratio = {r["run"]: r["throughput_vs_delay_free"] for r in rows}
+    assert ratio["mid"] == pytest.approx(1.0) and ratio["late"] == pytest.approx(68.0 / 85.0)
+    assert ratio["before"] == 1.0 and ratio["after"] == 1.0
+
+
+def test_one_delay_free_run_is_the_reference_of_its_seed_alone():
+    rows = [_row("free0", "delay-free", 0.0, 100.0), _row("run0", "deadline", 5.0, 95.0),
+            _row("free1", "delay-free", 0.0, 50.0, seed=1), _row("run1", "deadline", 5.0, 45.0, seed=1)]
+    _compare(rows)
+    ratio = {r["run"]: r["throughput_vs_delay_free"] for r in rows}
+    assert ratio["run0"] == pytest.approx(0.95) and ratio["run1"] == pytest.approx(0.9)

@@ -33,8 +33,10 @@ the first re-plan happens right after them, and then every ``replan_every_steps`
 cold start is the seed's guard against acting on a few noisy early steps; a measurement that
 is already confident does not need it. So the re-planner also looks every
 ``replan_every_steps`` steps during the cold start, and moves only when the decision is a
-jump (``wait`` otherwise): a 2x slower rank is then balanced from step 5 instead of 10, which
-is 5 steps at balance 0.5 less (0.02 of a 150-step run's balance).
+jump (``wait`` otherwise). With a 2x slower rank, a jump at step 5 spares 5 steps at balance
+0.5 (0.02 of a 150-step run's balance); on this 2-core machine the first 4 steps are often
+too noisy for it (code-lm: ±7 % on one rank in ``poise bench balance``'s run c), and the
+equal split is kept until step 10, as before.
 """
 
 from __future__ import annotations

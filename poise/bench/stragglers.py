@@ -16,10 +16,10 @@ workers each has its own core and a delay is time lost.
 Per run: throughput (trained samples/s over the training steps) against the delay-free run
 of the same world size and seed (run twice, before and after the delayed runs, and
 interpolated linearly to the time each run ended: this machine's speed drifts by up to 10 %
-over minutes, and bracketing cancels a steady drift), p50 and p99 step time, the share of planned micro-batches
-deferred, training loss at equal real tokens against delay-free (mean over seeds), wall time
-to the delay-free run's loss, and samples trained twice within an epoch (from the per-step
-sample records). Medians over seeds. Then every predictor scored on the recorded micro-batch
+over minutes, and bracketing cancels a steady drift), p50 and p99 step time, the share of
+planned micro-batches deferred, training loss at equal real tokens against delay-free (mean
+over seeds), wall time to the delay-free run's loss, and samples trained twice within an
+epoch (from the per-step sample records). Medians over seeds. Then every predictor scored on the recorded micro-batch
 traces (median absolute error, one step ahead, against the next observation and against
 its compute alone), and an epoch of the digits task under each model with
 ``deadline``: every sample trained exactly once.

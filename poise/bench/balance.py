@@ -120,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
             # steps after the cold start (e: after the change) until converged; None: never
             "converged_after_steps": None if at is None else at - start,
             "balance_after_converged": float(np.mean(per_step[at:])) if at is not None else None,
-            "balance_settled": float(np.mean(per_step[start + SETTLE_STEPS:])),
-            "balance_settled_median": float(np.median(per_step[start + SETTLE_STEPS:])),
+            # None: the run ends within SETTLE_STEPS steps of the cold start (or the change)
+            "balance_settled": float(np.mean(settled)) if (settled := per_step[start + SETTLE_STEPS:]) else None,
+            "balance_settled_median": float(np.median(settled)) if settled else None,
             "share_reversals": reversals(rep["replans"]),
             "idle_fraction": rep["idle_fraction"],
             "throughput_tokens_per_s": rep["throughput_tokens_per_s"],
@@ -144,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
             ("balance_last_half", "balance 2nd half", lambda v: f"{v:.3f}"),
             ("converged_after_steps", f"steps to {args.target}", lambda v: "never" if v is None else f"{v}"),
             ("balance_after_converged", "balance then", lambda v: "-" if v is None else f"{v:.3f}"),
-            ("balance_settled", f"from {SETTLE_STEPS} on", lambda v: f"{v:.3f}"),
-            ("balance_settled_median", "(median)", lambda v: f"{v:.3f}"),
+            ("balance_settled", f"from {SETTLE_STEPS} on", lambda v: "-" if v is None else f"{v:.3f}"),
+            ("balance_settled_median", "(median)", lambda v: "-" if v is None else f"{v:.3f}"),
             ("share_reversals", "reversals", str),
             ("idle_fraction", "idle", lambda v: f"{v:.1%}"),
             ("throughput_tokens_per_s", "tokens/s", lambda v: f"{v:,.0f}"),

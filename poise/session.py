@@ -67,6 +67,7 @@ from poise.diagnostics.marks import StepMarks
 from poise.diagnostics.timeline import StepRecord, Timeline
 from poise.runtime.slowdown import apply_slowdown
 from poise.step import DeadlineStep, Step
+from poise.straggler.claims import store_claims
 from poise.straggler.steps import DeadlineRunner
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,8 @@ class Session:
             cost = getattr(self.sampler, "cost_fn", None)
             costs = np.asarray(cost(self.lengths) if cost is not None else self.lengths, dtype=np.float64)
             self.deadline = DeadlineRunner(self.straggler, rank=self.rank, world_size=self.world_size, costs=costs,
-                                           loss_terms=self.loss_terms, device=collective_device, seed=seed)
+                                           loss_terms=self.loss_terms, device=collective_device, seed=seed,
+                                           claims=store_claims(self.rank, self.world_size, collective_device))
         # Emulated slowness is installed around the step and the hook, never passed into them.
         self.slowdown = apply_slowdown(self.rank, self.balance.rank_speeds(), self.balance.slowdown_method,
                                        torch.get_num_threads(), noise=self.balance.speed_noise, seed=seed,

@@ -64,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64,
                         help="samples per rank per step (64: micro-batches of 16; at 4 samples each, cutting a step "
                              "into micro-batches costs this small model 6%% by itself)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per step")
+    parser.add_argument("--micro-batches", type=int, default=8,
+                        help="micro-batches per rank per step (8: 8 samples each; the finer the micro-batches, the "
+                             "closer together the ranks end a step, since they claim work one micro-batch at a time)")
     parser.add_argument("--no-epoch-check", action="store_true", help="skip the digits epochs")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per run, seconds")
     parser.add_argument("--from", dest="from_dir", default="",

@@ -1,13 +1,15 @@
 """The deadline plan of one step: pure functions, the same on every rank.
 
-A step of straggler-tolerant aggregation is a queue of micro-batches per rank: its share of
-the step's batch (the sampler's plan, cut into micro-batches), then its share of the
-**pool**, the samples earlier steps did not reach. Every rank computes micro-batches from
-the front of its queue until the next one would end after the shared deadline, then enters
-the all-reduce. The all-reduce also carries how many micro-batches each rank computed
-(``k``), so every rank can work out the same new pool: what was not reached goes back into
-it, nothing is dropped, and a rank that is fast this step takes pooled work off the slow
-ones. At the epoch's end the pool is trained in steps of its own (:func:`catch_up`), so
+A step of straggler-tolerant aggregation is a set of **lists** of micro-batches: list ``r``
+(``r < W``) is rank r's share of the step's batch (the sampler's plan, cut into
+micro-batches); list ``W`` is the **pool**, the samples earlier steps did not reach, in
+chunks. A rank computes its own list first, then the pool, then what is left of the other
+ranks' lists, taking one micro-batch at a time from the front of a list with an atomic claim
+(:mod:`poise.straggler.claims`), until nothing is left or the next one would end after the
+shared deadline. So the front ``taken[q]`` micro-batches of each list q are exactly the ones
+computed, whoever computed them; the all-reduce at the step's end carries ``taken``, and
+every rank works out the same new pool from it: what was not reached goes back, nothing is
+dropped. At the epoch's end the pool is trained in steps of its own (:func:`catch_up`), so
 every sample of the epoch is trained exactly once.
 
 All inputs are plain arrays; cost is ``O(samples in the step + pool)`` per step.
@@ -22,18 +24,32 @@ import numpy as np
 
 @dataclass
 class Queues:
-    """Every rank's micro-batches for one step, in the order they are computed.
+    """Every list of one step's micro-batches (see module doc), each in the order it is taken.
 
-    ``planned[r]``: how many of rank r's micro-batches come from the step's own batch (the rest
-    come from the pool). ``from_pool``: the pool's sample indices handed out, in pool order.
+    ``micro[r]`` for ``r < W``: rank r's share of the step's batch; ``micro[W]``: the pool in
+    chunks, shared by every rank.
     """
 
     micro: list[list[np.ndarray]]
-    planned: list[int]
 
-    def computed(self, k: np.ndarray) -> np.ndarray:
-        """Sample indices trained when rank r computed its first ``k[r]`` micro-batches."""
-        done = [m for r, queue in enumerate(self.micro) for m in queue[: int(k[r])]]
+    @property
+    def world(self) -> int:
+        return len(self.micro) - 1
+
+    @property
+    def planned(self) -> list[int]:
+        """Micro-batches of each rank's share of the step's batch."""
+        return [len(q) for q in self.micro[:-1]]
+
+    def order(self, rank: int) -> list[int]:
+        """The lists in the order ``rank`` takes from them: its own, the pool, then the other
+        ranks' from its right-hand neighbour on (so thieves spread over the slow ranks)."""
+        w = self.world
+        return [rank, w, *((rank + i) % w for i in range(1, w))]
+
+    def computed(self, taken: np.ndarray) -> np.ndarray:
+        """Sample indices trained when the front ``taken[q]`` micro-batches of list q were."""
+        done = [m for q, lst in enumerate(self.micro) for m in lst[: int(taken[q])]]
         return np.concatenate(done) if done else np.zeros(0, dtype=np.int64)
 
 
@@ -45,32 +61,29 @@ def split_micro(indices: np.ndarray, micro_batches: int) -> list[np.ndarray]:
 
 
 def build_queues(batches: list[np.ndarray], pool: np.ndarray, micro_batches: int, micro_samples: int) -> Queues:
-    """Each rank's queue: its batch of the step in ``micro_batches`` parts, then the pool in
-    chunks of ``micro_samples`` dealt round-robin over the ranks (chunk i to rank i mod W)."""
-    world = len(batches)
-    micro = [split_micro(b, micro_batches) for b in batches]
-    planned = [len(q) for q in micro]
+    """The step's lists: each rank's batch in ``micro_batches`` parts, then the pool in
+    chunks of ``micro_samples`` (oldest first)."""
     size = max(1, micro_samples)
-    for i, start in enumerate(range(0, len(pool), size)):
-        micro[i % world].append(np.asarray(pool[start:start + size], dtype=np.int64))
-    return Queues(micro, planned)
+    pooled = [np.asarray(pool[s:s + size], dtype=np.int64) for s in range(0, len(pool), size)]
+    return Queues([*(split_micro(b, micro_batches) for b in batches), pooled])
 
 
-def pool_after(queues: Queues, pool: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """The pool once rank r has computed its first ``k[r]`` micro-batches: the old pool less
-    what was trained from it (its order kept: the oldest deferrals go first), then the step's
-    own samples nobody reached, in rank order."""
-    done = queues.computed(k)
-    keep = pool[~np.isin(pool, done)] if len(pool) else pool
-    missed = [m for r, queue in enumerate(queues.micro) for m in queue[int(k[r]): queues.planned[r]]]
-    return np.concatenate([keep.astype(np.int64), *missed]) if missed else keep.astype(np.int64)
+def pool_after(queues: Queues, taken: np.ndarray) -> np.ndarray:
+    """The pool once the front ``taken[q]`` micro-batches of each list were computed: the old
+    pool's rest (its order kept: the oldest deferrals go first), then the step's own samples
+    nobody reached, in rank order."""
+    w = queues.world
+    pooled = queues.micro[w][int(taken[w]):]
+    missed = [m for lst, t in zip(queues.micro[:w], taken[:w], strict=True) for m in lst[int(t):]]
+    rest = [*pooled, *missed]
+    return np.concatenate(rest).astype(np.int64) if rest else np.zeros(0, dtype=np.int64)
 
 
 def catch_up(pool: np.ndarray, world: int, micro_batches: int, micro_samples: int
              ) -> tuple[list[np.ndarray], np.ndarray]:
     """The next step of the epoch's tail, when only the pool is left: ``(batches, rest)``,
     the pool's first ``world × micro_batches × micro_samples`` samples dealt over the ranks as
-    the step's planned batches, and the rest of the pool (handed out as extra work after them)."""
+    the step's planned batches, and the rest of the pool (the step's pool list)."""
     n = world * micro_batches * max(1, micro_samples)
     take = pool[:n]
     return [take[r::world] for r in range(world)], pool[n:]
@@ -79,12 +92,15 @@ def catch_up(pool: np.ndarray, world: int, micro_batches: int, micro_samples: in
 def deadline_s(rates: np.ndarray, costs: np.ndarray, slack: float) -> float | None:
     """The step's deadline in seconds after its start: ``(1 + slack)`` × the median over ranks
     of the predicted time of their planned work (rate s/cost × cost). The median, not the
-    maximum: a rank predicted slower than most is not waited for, its rest goes to the pool.
-    None (no deadline: wait for everyone) while a rank with work has no prediction yet."""
+    maximum: a rank predicted slower than most is not waited for, the others take its rest.
+    Ranks with no prediction yet (a slow rank whose work the others took has few micro-batches
+    to learn from) do not count, once more than half of the ranks with work have one; before
+    that, None (no deadline: wait for everyone)."""
     busy = costs > 0
-    if not busy.any() or not np.all(np.isfinite(rates[busy])):
+    known = busy & np.isfinite(rates)
+    if not busy.any() or 2 * int(known.sum()) <= int(busy.sum()):
         return None
-    return float((1.0 + slack) * np.median(rates[busy] * costs[busy]))
+    return float((1.0 + slack) * np.median(rates[known] * costs[known]))
 
 
 __all__ = ["Queues", "build_queues", "catch_up", "deadline_s", "pool_after", "split_micro"]

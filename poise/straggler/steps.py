@@ -4,21 +4,25 @@
 agreed rates, the pool of deferred samples, the delays to inject) and runs the parts of a
 step that :class:`poise.Session`'s deadline step delegates to it:
 
-1. **Plan** (:meth:`plan_step`): every rank's queue (its part of the step's batch in
-   micro-batches, then its share of the pool) and the deadline, from the rates all ranks
-   agreed on at the end of the step before: no collective of its own.
-2. **Micro-batches** (:meth:`micro_batches`): before each, the rank checks it would end by
-   the deadline; the one after which the next would not fit is the last, reduced by DDP
-   during its backward (overlap kept). A rank that stops before reducing (or computed
-   nothing) enters the reduction with a zero backward through DDP, so every rank joins every
-   bucket's all-reduce and nobody hangs.
+1. **Plan** (:meth:`plan_step`): the step's lists of micro-batches (every rank's part of
+   the step's batch, and the pool; :mod:`poise.straggler.plan`) and the deadline, from the
+   rates all ranks agreed on at the end of the step before: no collective of its own.
+2. **Micro-batches** (:meth:`micro_batches`): the rank claims one micro-batch at a time
+   (:mod:`poise.straggler.claims`): from its own list, then the pool, then the other ranks'
+   lists, so a rank that is ahead takes work off a delayed one within the step. Before each
+   claim it checks the micro-batch would end by the deadline; the one after which the next
+   would not fit is the last, reduced by DDP during its backward (overlap kept). A rank that
+   finds nothing left to claim, or stops before reducing (or computed nothing), enters the
+   reduction with a zero backward through DDP, so every rank joins every bucket's all-reduce
+   and nobody hangs.
 3. **The count** (:meth:`begin_reduce` / :meth:`end_reduce`): right before the last
    backward each rank starts one small asynchronous all-reduce of ``[loss terms computed,
-   micro-batches computed, predicted rate, gap]`` per rank (4 × world numbers), issued before
-   the gradient buckets on every rank. When backward returns, the gradient (each rank's sum of
-   per-term gradients divided by the planned total) is rescaled by planned / computed
-   terms: the exact mean over the terms actually computed, whatever the codec or collective.
-   The same numbers give every rank the new pool and the next step's deadline.
+   micro-batches computed, predicted rate, gap]`` per rank and the micro-batches it took from
+   each list (5 × world + 1 numbers), issued before the gradient buckets on every rank. When
+   backward returns, the gradient (each rank's sum of per-term gradients divided by the
+   planned total) is rescaled by planned / computed terms: the exact mean over the terms
+   actually computed, whatever the codec or collective. The same numbers give every rank the
+   new pool and the next step's deadline.
 
 Where the deadline is counted from: the end of the previous step's reduction (which every
 rank leaves at nearly the same moment) plus the usual gap to the next step's start (the
@@ -29,9 +33,10 @@ reduction with the others; counted from its own start, it would take its whole d
 make every other rank wait for the delay. A rank more than half the deadline late (a
 checkpoint save, the first step) counts from its own start.
 
-Why the median rank's predicted time sets the deadline, and the queues hold pooled work:
-a delayed rank's rest goes to the pool, and a rank that is ahead takes pooled work until
-the deadline, so the ranks that are not delayed keep computing instead of waiting.
+Why the median rank's predicted time sets the deadline, and work is claimed, not dealt: a
+rank that is ahead takes the pool's and a delayed rank's micro-batches until the deadline,
+so the ranks that are not delayed keep computing instead of waiting; what nobody reached by
+the deadline goes to the pool.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from poise.config import StragglerConfig
+from poise.straggler.claims import Claims, LocalClaims
 from poise.straggler.plan import Queues, build_queues, catch_up, deadline_s, pool_after
 from poise.straggler.predict import make_predictor
 from poise.straggler.stale import StaleStash
@@ -62,7 +68,6 @@ class StepPlan:
 
     index: int
     queues: Queues
-    pool: np.ndarray  # the pool the queues' extra work came from
     deadline_s: float | None  # seconds after the step's start; None: wait for everyone
     reference: float  # planned loss terms over all ranks (the weights divide by it)
     started_s: float = 0.0  # perf_counter() at the step's start
@@ -74,6 +79,9 @@ class StepPlan:
     settled: bool = False  # the reduction and the count are done
     stale: bool = False  # this rank replays its previous gradient
     k: np.ndarray = field(default_factory=lambda: np.zeros(0))  # every rank's computed micro-batches
+    taken: np.ndarray = field(default_factory=lambda: np.zeros(0))  # this rank's micro-batches from each list
+    taken_all: np.ndarray = field(default_factory=lambda: np.zeros(0))  # every rank's, from each list (agreed)
+    mine: list[np.ndarray] = field(default_factory=list)  # the micro-batches this rank computed
     total_terms: float = 0.0  # loss terms computed over all ranks
     work: Any = None
     vector: torch.Tensor | None = None
@@ -92,10 +100,17 @@ class DeadlineRunner:
         loss_terms: per-sample loss terms (None: one per sample).
         device: where the count all-reduce's tensor lives (the process group's device).
         seed: seeds the injected delays and the LSTM's initial weights.
+        claims: how micro-batches are claimed (:func:`poise.straggler.claims.store_claims`
+            for a process group; local counters, the default, are right for one rank only).
     """
 
     def __init__(self, config: StragglerConfig, *, rank: int, world_size: int, costs: np.ndarray,
-                 loss_terms: np.ndarray | None, device: torch.device, seed: int = 0) -> None:
+                 loss_terms: np.ndarray | None, device: torch.device, seed: int = 0,
+                 claims: Claims | None = None) -> None:
+        if claims is None and world_size > 1:
+            raise ValueError(f"DeadlineRunner for {world_size} ranks needs claims shared by them "
+                             "(poise.straggler.claims.store_claims)")
+        self.claims = claims if claims is not None else LocalClaims()
         self.config, self.rank, self.world_size = config, rank, world_size
         self.costs = np.asarray(costs, dtype=np.float64)
         self.loss_terms = loss_terms
@@ -104,10 +119,11 @@ class DeadlineRunner:
         self.predictor = make_predictor(config.predictor, seed=seed * 1000 + rank)
         self.rates = np.full(world_size, math.nan)  # agreed at the end of each step: s per cost unit
         self.pool = np.zeros(0, dtype=np.int64)
-        self.micro_samples = 0  # samples per planned micro-batch (the pool is handed out in such chunks)
+        self.micro_samples = 0  # samples per planned micro-batch (the pool is claimed in such chunks)
         self.stash = StaleStash(config.max_staleness) if config.mode == "deadline+stale" else None
         self.micro_planned = 0  # micro-batches of the sampler's plans (this rank), for the report
         self.micro_deferred = 0  # of those, not reached in their own step
+        self.micro_taken_over = 0  # micro-batches this rank took from other ranks' lists
         self.stale_steps = 0
         # every micro-batch's observed rate (s per cost unit, stalls included) and its compute
         # alone: what the predictors are scored on (poise bench stragglers)
@@ -132,18 +148,28 @@ class DeadlineRunner:
         elif self.micro_samples == 0:
             self.micro_samples = max(1, int(np.ceil(np.median([len(b) for b in batches]) / m)))
         queues = build_queues(batches, pool, m, self.micro_samples)
-        planned_costs = np.array([sum(self.costs[mb].sum() for mb in q[: queues.planned[r]])
-                                  for r, q in enumerate(queues.micro)])
+        planned_costs = np.array([float(self.costs[b].sum()) for b in batches])
         waits = self._wait_for_all or not self.config.enabled
         deadline = None if waits else deadline_s(self.rates, planned_costs, self.config.slack)
         reference = sum(self.terms_of(b) for b in batches) or 1.0
-        return StepPlan(index=index, queues=queues, pool=pool, deadline_s=deadline, reference=reference)
+        if index >= 2:  # every rank left step index - 2 before the last step's reduction ended
+            self.claims.forget(index - 2)
+        return StepPlan(index=index, queues=queues, deadline_s=deadline, reference=reference,
+                        taken=np.zeros(len(queues.micro), dtype=np.int64))
 
     # -- micro-batches ---------------------------------------------------------------------
 
     def _predict_s(self, indices: np.ndarray) -> float:
+        return self._predict_cost_s(float(self.costs[indices].sum()))
+
+    def _predict_cost_s(self, cost: float) -> float:
+        """Predicted seconds for ``cost`` units of work: at this rank's predicted rate, or,
+        before it has one, the median rank's agreed rate (0 when nobody has one)."""
         rate = self.predictor.predict()
-        return 0.0 if rate is None else rate * float(self.costs[indices].sum())
+        if rate is None:
+            known = self.rates[np.isfinite(self.rates)]
+            rate = float(np.median(known)) if len(known) else 0.0
+        return rate * cost
 
     def micro_batches(self, plan: StepPlan, load: Callable[[np.ndarray], Any],
                       arm: Callable[[bool], None], zero_reduce: Callable[[], None]) -> Iterator[Any]:
@@ -153,38 +179,48 @@ class DeadlineRunner:
         ``zero_reduce()`` joins the reduction when the rank stops without a reducing backward.
         The caller runs one ``backward`` per micro-batch handed out.
         """
-        queue = plan.queues.micro[self.rank]
-        planned = plan.queues.planned[self.rank]
+        queues = plan.queues
+        own = queues.micro[self.rank]
         mark = plan.started_s
-        stall = self.delay.before_step(self.rank, plan.index, self._predict_s(np.concatenate(queue[:planned]))
-                                       if planned and self.predictor.predict() is not None else None)
+        stall = self.delay.before_step(self.rank, plan.index, self._predict_s(np.concatenate(own))
+                                       if own and self.predictor.predict() is not None else None)
         if stall:
             time.sleep(stall)
             plan.stall_s += stall
         limit = plan.deadline_s
         origin = self._origin_s(plan)
-        for j, indices in enumerate(queue):
+        lists = [q for q in queues.order(self.rank) if queues.micro[q]]
+        typical = {q: float(np.mean([self.costs[mb].sum() for mb in queues.micro[q]])) for q in lists}
+        while lists:
+            q = lists[0]
             elapsed = time.perf_counter() - origin
+            if limit is not None and elapsed + self._predict_cost_s(typical[q]) > limit:
+                break  # claim nothing that would end after the deadline: the rest goes to the pool
+            i = self.claims.claim(plan.index, q)
+            if i >= len(queues.micro[q]):
+                lists.pop(0)  # nothing left in this list
+                continue
+            indices = queues.micro[q][i]
+            plan.taken[q] += 1
+            self.micro_taken_over += q not in (self.rank, self.world_size)
             need = self._predict_s(indices)
-            if limit is not None and elapsed + need > limit:
-                break
-            nxt = queue[j + 1] if j + 1 < len(queue) else None
-            plan.last = nxt is None or (limit is not None and elapsed + need + self._predict_s(nxt) > limit)
+            plan.last = limit is not None and elapsed + need + self._predict_cost_s(typical[q]) > limit
             arm(plan.last)
             plan.current = indices
             batch = load(indices)
             began = time.perf_counter()
             yield batch
             if plan.backwards != plan.computed + 1:
-                raise ValueError(f"step {plan.index}: micro-batch {j} was handed out but no step.backward(loss) "
-                                 "ran for it: one backward per micro-batch")
+                raise ValueError(f"step {plan.index}: micro-batch {plan.computed} was handed out but no "
+                                 "step.backward(loss) ran for it: one backward per micro-batch")
             compute_s = time.perf_counter() - began
-            stall = self.delay.after_micro(self.rank, plan.index, j, compute_s)
+            stall = self.delay.after_micro(self.rank, plan.index, plan.computed, compute_s)
             if stall:
                 time.sleep(stall)
                 plan.stall_s += stall
             plan.computed += 1
             plan.terms += self.terms_of(indices)
+            plan.mine.append(indices)
             now = time.perf_counter()
             cost = float(self.costs[indices].sum())
             # Not observed: the last micro-batch (its backward waits for the reduction, hence for
@@ -225,12 +261,13 @@ class DeadlineRunner:
         if plan.reduced:
             raise RuntimeError(f"step {plan.index}: a second reducing backward in one deadline step")
         w = self.world_size
-        vector = torch.zeros(4 * w, dtype=torch.float64, device=self.device)
+        vector = torch.zeros(5 * w + 1, dtype=torch.float64, device=self.device)
         own_rate = self.predictor.predict()
         vector[self.rank] = plan.terms + (self.terms_of(micro) if micro is not None else 0.0)
         vector[w + self.rank] = plan.computed + (micro is not None)
         vector[2 * w + self.rank] = own_rate if own_rate is not None else 0.0
         vector[3 * w + self.rank] = plan.gap_s
+        vector[4 * w:] = torch.from_numpy(plan.taken.astype(np.float64))  # summed: each list's taken
         plan.vector, plan.reduced = vector, True
         plan.work = dist.all_reduce(vector, async_op=True)
 
@@ -244,7 +281,8 @@ class DeadlineRunner:
         plan.k = np.rint(values[w:2 * w]).astype(np.int64)
         rates = values[2 * w:3 * w]
         self.rates = np.where(rates > 0, rates, math.nan)
-        gaps = values[3 * w:]
+        gaps = values[3 * w:4 * w]
+        plan.taken_all = np.rint(values[4 * w:]).astype(np.int64)
         self._usual_gap_s = float(gaps.min()) if np.all(gaps >= 0) else None
         self._settled_s = time.perf_counter()
         plan.settled = True
@@ -258,19 +296,17 @@ class DeadlineRunner:
         """Close ``plan``: the new pool (what nobody reached goes back), the stash; returns the
         sample indices this rank trained in the step."""
         queues = plan.queues
-        k = plan.k.copy()
-        # a stale rank's k is 0 everywhere: other ranks learnt it from its vector entry too
-        self.pool = pool_after(queues, plan.pool, k)
+        # a stale rank took nothing: its taken entries are 0, as the other ranks learnt too
+        self.pool = pool_after(queues, plan.taken_all)
         self._wait_for_all = plan.total_terms == 0
         self._observed_steps += 1
         if sampler_step:
             planned = queues.planned[self.rank]
             self.micro_planned += planned
-            self.micro_deferred += max(0, planned - int(k[self.rank]))
+            self.micro_deferred += max(0, planned - int(plan.taken_all[self.rank]))
         if self.stash is not None:
             self.stash.kept(plan.index, plan.terms, plan.reference)
-        mine = queues.micro[self.rank][: int(k[self.rank])]
-        return np.concatenate(mine) if mine else np.zeros(0, dtype=np.int64)
+        return np.concatenate(plan.mine) if plan.mine else np.zeros(0, dtype=np.int64)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -294,6 +330,7 @@ class DeadlineRunner:
         return {"mode": self.config.mode, "micro_batches": self.config.micro_batches, "slack": self.config.slack,
                 "predictor": self.config.predictor, "delay": self.delay.describe(),
                 "micro_planned": self.micro_planned, "micro_deferred": self.micro_deferred,
+                "micro_taken_over": self.micro_taken_over,
                 "stale_steps": self.stale_steps, "pool_left": len(self.pool),
                 "trace": [[round(a, 9), round(b, 9)] for a, b in self.trace]}
 

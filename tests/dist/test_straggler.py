@@ -43,7 +43,7 @@ def _steps(rank: int, world_size: int, mode: str, delay: str, codec: str, steps:
     all_reduce = dist.all_reduce
 
     def counting(tensor, *args, **kwargs):
-        if tensor.numel() <= 4 * world_size:
+        if tensor.numel() <= 5 * world_size + 1:
             small[0] += 1
         return all_reduce(tensor, *args, **kwargs)
 
@@ -76,32 +76,45 @@ def _steps(rank: int, world_size: int, mode: str, delay: str, codec: str, steps:
 ])
 def test_the_gradient_is_the_exact_mean_over_the_terms_computed(world_size, delay, codec, rtol):
     results = run_ranks(_steps, world_size=world_size, timeout_s=120, mode="deadline", delay=delay, codec=codec,
-                        steps=6)
+                        steps=8)
     reference = _model()
-    deferred = 0
-    for s in range(6):
+    steps = len(results[0]["deadlines"])  # 8, or fewer when the epoch ends first
+    assert steps >= 4
+    for s in range(steps):
         # every rank agrees on the deadline
         assert len({r["deadlines"][s] for r in results}) == 1
         trained = [i for r in results for i in r["trained"][s]]
         assert len(trained) == len(set(trained))
+        if not trained:  # nobody reached anything (a catch-up step of a few samples): a zero gradient
+            assert all(r["empty"][s] and all(not g.any() for g in r["grads"][s]) for r in results)
+            continue
         reference.zero_grad()
         x, y = collate([Sequences()[i] for i in trained])
         token_mean_loss(reference, x, y).backward()
         for r in results:
             for got, want in zip(r["grads"][s], [p.grad for p in reference.parameters()], strict=True):
                 torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6)
-        deferred += sum(len(b) for b in results[1]["trained"][s:s + 1]) == 0
-    # no deadline until every rank has observed a step (the first is not observed: warm-up)
-    assert results[0]["deadlines"][:2] == [None, None] and all(d is not None for d in results[0]["deadlines"][2:])
+    # no deadline until most ranks have observed a step (the first is not observed: warm-up);
+    # the slow rank, whose micro-batches the others take, may need one more
+    deadlines, empty = results[0]["deadlines"], results[0]["empty"]
+    assert deadlines[:2] == [None, None] and any(d is not None for d in deadlines[2:])
+    # once set, a step has no deadline only after a step where nobody computed anything
+    first = next(s for s, d in enumerate(deadlines) if d is not None)
+    assert all(deadlines[s] is not None or empty[s - 1] for s in range(first, steps))
     # one small collective a step (the count that also agrees the next deadline)
-    assert results[0]["small"] == list(range(1, 7))
-    assert results[1]["summary"]["micro_deferred"] > 0  # the slow rank really was cut
+    assert results[0]["small"] == list(range(1, steps + 1))
+    # the slow rank really was cut: its micro-batches were taken over by the others, or deferred
+    taken_over = sum(r["summary"]["micro_taken_over"] for r in results)
+    assert results[1]["summary"]["micro_taken_over"] == 0 and taken_over + results[1]["summary"]["micro_deferred"] > 0
     if world_size == 3:
-        assert deferred >= 3  # rank 1 computed nothing in (most) deadline steps, and nobody hung
+        # once rank 1 knows its own rate (3 micro-batches observed, from step 4) it computes
+        # nothing by the deadline, and nobody hung
+        assert all(len(results[1]["trained"][s]) == 0 for s in range(4, steps))
 
 
 def _epoch(rank: int, world_size: int, mode: str) -> dict:
-    session = _session(world_size, mode, "slow:rank=1,x=3", "none")
+    # stalls before a step on every rank, so that some steps end with work nobody reached
+    session = _session(world_size, mode, "bernoulli:p=0.5,x=2", "none")
     optimizer = torch.optim.SGD(session.model.parameters(), lr=0.01)
     loader = DataLoader(Sequences(), batch_sampler=session.sampler, collate_fn=collate)
     trained, planned, catch_up = [], sorted(int(i) for b in session.sampler for i in b), 0
@@ -131,7 +144,7 @@ def test_every_sample_is_trained_exactly_once_per_epoch(mode):
         assert r["finite"]
         assert r["summary"]["pool_left"] == 0
     assert results[0]["catch_up"] >= 1  # the deferred samples were trained at the epoch's end
-    assert results[1]["summary"]["micro_deferred"] > 0
+    assert sum(r["summary"]["micro_deferred"] for r in results) > 0
 
 
 def test_a_rank_that_computes_nothing_can_send_its_previous_gradient():

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poise.config import StragglerConfig
+from poise.straggler.claims import LocalClaims
 from poise.straggler.delays import DelayModel
 from poise.straggler.plan import build_queues, catch_up, deadline_s, pool_after, split_micro
 from poise.straggler.predict import evaluate, make_predictor
@@ -33,19 +34,19 @@ def test_every_sample_of_the_epoch_is_trained_exactly_once(world, steps, micro, 
     trained: list[int] = []
     for batches in plan:
         queues = build_queues(batches, pool, micro, micro_samples)
-        k = np.array([rng.integers(0, len(q) + 1) for q in queues.micro])
-        trained += queues.computed(k).tolist()
-        pool = pool_after(queues, pool, k)
+        taken = np.array([rng.integers(0, len(q) + 1) for q in queues.micro])
+        trained += queues.computed(taken).tolist()
+        pool = pool_after(queues, taken)
     rounds = 0
     while len(pool):
         batches, rest = catch_up(pool, world, micro, micro_samples)
         queues = build_queues(batches, rest, micro, micro_samples)
         # at least one rank reaches something in a catch-up step (no deadline after an empty step)
-        k = np.array([rng.integers(0, len(q) + 1) for q in queues.micro])
-        if not k.any():
-            k[int(np.argmax([len(q) for q in queues.micro]))] = 1
-        trained += queues.computed(k).tolist()
-        pool = pool_after(queues, rest, k)
+        taken = np.array([rng.integers(0, len(q) + 1) for q in queues.micro])
+        if not taken.any():
+            taken[int(np.argmax([len(q) for q in queues.micro]))] = 1
+        trained += queues.computed(taken).tolist()
+        pool = pool_after(queues, taken)
         rounds += 1
         assert rounds < 10_000
     assert sorted(trained) == sorted(order.tolist())
@@ -57,19 +58,33 @@ def test_micro_batches_split_a_batch_in_order():
     assert len(split_micro(np.arange(2), 4)) == 2 and split_micro(np.zeros(0, dtype=np.int64), 4) == []
 
 
-def test_the_pool_goes_out_round_robin_after_the_planned_work():
+def test_the_pool_is_one_shared_list_and_what_nobody_took_goes_back_oldest_first():
     queues = build_queues([np.arange(4), np.arange(4, 8)], np.arange(100, 105), 2, 2)
-    assert queues.planned == [2, 2]
-    assert [m.tolist() for m in queues.micro[0]] == [[0, 1], [2, 3], [100, 101], [104]]
-    assert [m.tolist() for m in queues.micro[1]] == [[4, 5], [6, 7], [102, 103]]
-    # rank 0 did its plan and one pooled chunk, rank 1 one micro-batch: 6, 7 go back, after the old pool
-    assert pool_after(queues, np.arange(100, 105), np.array([3, 1])).tolist() == [102, 103, 104, 6, 7]
+    assert queues.planned == [2, 2] and queues.world == 2
+    assert [m.tolist() for m in queues.micro[0]] == [[0, 1], [2, 3]]
+    assert [m.tolist() for m in queues.micro[2]] == [[100, 101], [102, 103], [104]]
+    # rank 0 takes its own list, then the pool, then its neighbour's; rank 1 its own, pool, rank 0's
+    assert queues.order(0) == [0, 2, 1] and queues.order(1) == [1, 2, 0]
+    # both of list 0, one of list 1, one pool chunk: the pool's rest first, then 6, 7
+    taken = np.array([2, 1, 1])
+    assert sorted(queues.computed(taken).tolist()) == [0, 1, 2, 3, 4, 5, 100, 101]
+    assert pool_after(queues, taken).tolist() == [102, 103, 104, 6, 7]
+
+
+def test_claims_hand_out_each_micro_batch_once():
+    claims = LocalClaims()
+    assert [claims.claim(3, 0) for _ in range(3)] == [0, 1, 2]
+    assert claims.claim(3, 1) == 0 and claims.claim(4, 0) == 0
+    claims.forget(3)
+    assert claims.claim(3, 0) == 0 and claims.claim(4, 0) == 1
 
 
 def test_the_deadline_follows_the_median_rank_not_the_slowest():
     rates = np.array([1.0, 1.0, 4.0])
     assert deadline_s(rates, np.array([2.0, 2.0, 2.0]), 0.1) == pytest.approx(2.2)
     assert deadline_s(np.array([1.0, math.nan]), np.array([1.0, 1.0]), 0.1) is None  # a rank has no prediction
+    # two of three ranks know their rate: the median of those two
+    assert deadline_s(np.array([1.0, math.nan, 3.0]), np.array([1.0, 1.0, 1.0]), 0.0) == pytest.approx(2.0)
     assert deadline_s(np.array([1.0, math.nan]), np.array([1.0, 0.0]), 0.1) == pytest.approx(1.1)  # idle rank
 
 
@@ -125,8 +140,7 @@ def test_the_deadline_counts_from_the_last_reduction_plus_the_usual_gap():
     queues = build_queues([np.arange(8)], np.zeros(0, dtype=np.int64), 4, 2)
 
     def plan(started_s: float, deadline_s: float | None = 1.0) -> StepPlan:
-        return StepPlan(index=1, queues=queues, pool=np.zeros(0, dtype=np.int64), deadline_s=deadline_s,
-                        reference=8.0, started_s=started_s)
+        return StepPlan(index=1, queues=queues, deadline_s=deadline_s, reference=8.0, started_s=started_s)
 
     assert runner._origin_s(plan(5.0)) == 5.0  # no reduction yet: the rank's own start
     runner._settled_s, runner._usual_gap_s = 100.0, 0.05

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
     parser.add_argument("--steps", type=int, default=40, help="steps per run")
     parser.add_argument("--batch-size", type=int, default=64,
-                        help="samples per rank per step (64: micro-batches of 16; at 4 samples each, cutting a step "
+                        help="samples per rank per step (64: micro-batches of 8; at 4 samples each, cutting a step "
                              "into micro-batches costs this small model 6%% by itself)")
     parser.add_argument("--micro-batches", type=int, default=8,
                         help="micro-batches per rank per step (8: 8 samples each; the finer the micro-batches, the "

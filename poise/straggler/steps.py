@@ -189,7 +189,9 @@ class DeadlineRunner:
             plan.stall_s += stall
         limit = plan.deadline_s
         origin = self._origin_s(plan)
-        lists = [q for q in queues.order(self.rank) if queues.micro[q]]
+        # off (delays injected into plain DDP): every rank computes its own share, nothing else
+        order = queues.order(self.rank) if self.config.enabled else [self.rank]
+        lists = [q for q in order if queues.micro[q]]
         typical = {q: float(np.mean([self.costs[mb].sum() for mb in queues.micro[q]])) for q in lists}
         while lists:
             q = lists[0]

@@ -153,3 +153,16 @@ def test_a_rank_that_computes_nothing_can_send_its_previous_gradient():
     assert results[1]["summary"]["stale_steps"] >= 1
     for r in results:
         assert all(torch.isfinite(g).all() for step in r["grads"] for g in step)
+
+
+def test_delays_without_a_deadline_are_plain_ddp():
+    """``straggler='off'`` with injected delays (the baseline of ``poise bench stragglers``):
+    every rank computes exactly its own share of every step, nobody takes work from another."""
+    results = run_ranks(_steps, world_size=2, timeout_s=120, mode="off", delay="slow:rank=1,x=3", codec="none",
+                        steps=4)
+    for r in results:
+        assert r["summary"]["micro_taken_over"] == 0 and r["summary"]["micro_deferred"] == 0
+        assert all(d is None for d in r["deadlines"])
+    for s in range(4):
+        trained = [sorted(r["trained"][s]) for r in results]
+        assert all(len(t) == 8 for t in trained) and not set(trained[0]) & set(trained[1])

@@ -7,7 +7,8 @@ per-micro-batch delays (lognormal, Pareto) the step then lasts as long as the un
 rank, as in plain DDP. Claimed one at a time, the work goes to whichever rank is free.
 
 A claim is one atomic ``add`` on a counter in the key-value store the process group met in
-(torch.distributed's ``Store``; one round trip, about 0.1 ms on loopback): the n-th claim on
+(torch.distributed's ``Store``; one round trip: on this project's 2-core machine, 15 µs median
+and 40 µs p99 over 2,000 adds on loopback, with the test suite running beside): the n-th claim on
 list q of step s is micro-batch n − 1 of that list. A rank claims only a micro-batch it will
 compute (it checks the deadline first), so the front ``taken[q]`` micro-batches of each list
 are exactly the ones computed, and the count all-reduce at the step's end tells every rank

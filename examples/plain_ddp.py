@@ -105,6 +105,7 @@ def main() -> None:
             if done == args.steps:
                 break
         epoch += 1
+    dist.barrier()  # gloo: a rank that tears down while a peer still reads can abort the peer
     dist.destroy_process_group()
 
 

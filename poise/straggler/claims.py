@@ -64,10 +64,8 @@ class StoreClaims:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.round_trips = 0
 
     def claim(self, step: int, lst: int) -> int:
-        self.round_trips += 1
         return int(self.store.add(f"{step}/{lst}", 1)) - 1
 
     def forget(self, step: int) -> None:

@@ -17,8 +17,8 @@ step that :class:`poise.Session`'s deadline step delegates to it:
    and nobody hangs.
 3. **The count** (:meth:`begin_reduce` / :meth:`end_reduce`): right before the last
    backward each rank starts one small asynchronous all-reduce of ``[loss terms computed,
-   micro-batches computed, predicted rate, gap]`` per rank and the micro-batches it took from
-   each list (5 × world + 1 numbers), issued before the gradient buckets on every rank. When
+   predicted rate, gap]`` per rank and the micro-batches it took from each list
+   (4 × world + 1 numbers), issued before the gradient buckets on every rank. When
    backward returns, the gradient (each rank's sum of per-term gradients divided by the
    planned total) is rescaled by planned / computed terms: the exact mean over the terms
    actually computed, whatever the codec or collective. The same numbers give every rank the
@@ -78,7 +78,6 @@ class StepPlan:
     reduced: bool = False  # the count all-reduce was started (the gradient reduction is under way)
     settled: bool = False  # the reduction and the count are done
     stale: bool = False  # this rank replays its previous gradient
-    k: np.ndarray = field(default_factory=lambda: np.zeros(0))  # every rank's computed micro-batches
     taken: np.ndarray = field(default_factory=lambda: np.zeros(0))  # this rank's micro-batches from each list
     taken_all: np.ndarray = field(default_factory=lambda: np.zeros(0))  # every rank's, from each list (agreed)
     mine: list[np.ndarray] = field(default_factory=list)  # the micro-batches this rank computed
@@ -263,13 +262,12 @@ class DeadlineRunner:
         if plan.reduced:
             raise RuntimeError(f"step {plan.index}: a second reducing backward in one deadline step")
         w = self.world_size
-        vector = torch.zeros(5 * w + 1, dtype=torch.float64, device=self.device)
+        vector = torch.zeros(4 * w + 1, dtype=torch.float64, device=self.device)
         own_rate = self.predictor.predict()
         vector[self.rank] = plan.terms + (self.terms_of(micro) if micro is not None else 0.0)
-        vector[w + self.rank] = plan.computed + (micro is not None)
-        vector[2 * w + self.rank] = own_rate if own_rate is not None else 0.0
-        vector[3 * w + self.rank] = plan.gap_s
-        vector[4 * w:] = torch.from_numpy(plan.taken.astype(np.float64))  # summed: each list's taken
+        vector[w + self.rank] = own_rate if own_rate is not None else 0.0
+        vector[2 * w + self.rank] = plan.gap_s
+        vector[3 * w:] = torch.from_numpy(plan.taken.astype(np.float64))  # summed: each list's taken
         plan.vector, plan.reduced = vector, True
         plan.work = dist.all_reduce(vector, async_op=True)
 
@@ -280,11 +278,10 @@ class DeadlineRunner:
         values = plan.vector.cpu().numpy()
         w = self.world_size
         plan.total_terms = float(values[:w].sum())
-        plan.k = np.rint(values[w:2 * w]).astype(np.int64)
-        rates = values[2 * w:3 * w]
+        rates = values[w:2 * w]
         self.rates = np.where(rates > 0, rates, math.nan)
-        gaps = values[3 * w:4 * w]
-        plan.taken_all = np.rint(values[4 * w:]).astype(np.int64)
+        gaps = values[2 * w:3 * w]
+        plan.taken_all = np.rint(values[3 * w:]).astype(np.int64)
         self._usual_gap_s = float(gaps.min()) if np.all(gaps >= 0) else None
         self._settled_s = time.perf_counter()
         plan.settled = True

@@ -21,18 +21,18 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
     data = json.loads((tmp_path / "stragglers.json").read_text())
     runs = {r["run"]: r for r in data["runs"]}
     assert set(runs) == {"w2-delay-free-s0", "w2-bernoulli-ddp-s0", "w2-bernoulli-deadline-s0",
-                         "w2-delay-free-after-s0"}
+                         "w2-delay-free-after-bernoulli-s0"}
     for row in runs.values():
         assert {"run", "world_size", "delay_model", "throughput_vs_delay_free", "loss_vs_delay_free",
                 "p99_step_s"} <= set(row)
         assert row["samples_duplicated"] == 0
         assert row["throughput_vs_delay_free"] > 0
-    # the reference is the two delay-free runs interpolated in time: each is exactly its own reference
+    # the reference: the delay-free runs around the delayed ones, interpolated in time (each its own)
     assert runs["w2-delay-free-s0"]["throughput_vs_delay_free"] == 1.0
-    assert runs["w2-delay-free-after-s0"]["throughput_vs_delay_free"] == 1.0
+    assert runs["w2-delay-free-after-bernoulli-s0"]["throughput_vs_delay_free"] == 1.0
     summary = {(r["delay_model"], r["mode"]): r for r in data["summary"]}
     assert summary[("none", "delay-free")]["throughput_pooled_vs_delay_free"] == 1.0
-    free = [runs[n]["throughput_samples_per_s"] for n in ("w2-delay-free-s0", "w2-delay-free-after-s0")]
+    free = [runs[n]["throughput_samples_per_s"] for n in ("w2-delay-free-s0", "w2-delay-free-after-bernoulli-s0")]
     assert summary[("bernoulli", "deadline")]["throughput_pooled_vs_delay_free"] == pytest.approx(
         runs["w2-bernoulli-deadline-s0"]["throughput_samples_per_s"] / (sum(free) / 2))
     (check,) = data["epoch_checks"]

@@ -1,4 +1,4 @@
-"""``poise bench stragglers``'s reference: the delay-free runs before and after, interpolated in time."""
+"""``poise bench stragglers``'s reference: the delay-free runs around each run, interpolated in time."""
 
 from __future__ import annotations
 
@@ -31,3 +31,14 @@ def test_one_delay_free_run_is_the_reference_of_its_seed_alone():
     _compare(rows)
     ratio = {r["run"]: r["throughput_vs_delay_free"] for r in rows}
     assert ratio["run0"] == pytest.approx(0.95) and ratio["run1"] == pytest.approx(0.9)
+
+
+def test_each_run_is_compared_with_the_delay_free_runs_closest_around_it():
+    # a delay-free run after every delay model's runs: the machine slowed, then recovered; each
+    # run is read against the two delay-free runs that bracket it, not the seed's first and last
+    rows = [_row("free0", "delay-free", 0.0, 100.0), _row("a", "deadline", 5.0, 72.0),
+            _row("free1", "delay-free", 10.0, 60.0), _row("b", "deadline", 15.0, 80.0),
+            _row("free2", "delay-free", 20.0, 100.0)]
+    _compare(rows)
+    ratio = {r["run"]: r["throughput_vs_delay_free"] for r in rows}
+    assert ratio["a"] == pytest.approx(72.0 / 80.0) and ratio["b"] == pytest.approx(1.0)

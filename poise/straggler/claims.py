@@ -35,6 +35,10 @@ class Claims(Protocol):
 
     def claim(self, step: int, lst: int) -> int: ...
 
+    def claimed(self, step: int, lst: int) -> int:
+        """How many claims list ``lst`` of step ``step`` has had so far (asking claims nothing)."""
+        ...
+
     def forget(self, step: int) -> None: ...
 
 
@@ -48,6 +52,9 @@ class LocalClaims:
         n = self.counters.get((step, lst), 0)
         self.counters[(step, lst)] = n + 1
         return n
+
+    def claimed(self, step: int, lst: int) -> int:
+        return self.counters.get((step, lst), 0)
 
     def forget(self, step: int) -> None:
         for key in [k for k in self.counters if k[0] == step]:
@@ -67,6 +74,9 @@ class StoreClaims:
 
     def claim(self, step: int, lst: int) -> int:
         return int(self.store.add(f"{step}/{lst}", 1)) - 1
+
+    def claimed(self, step: int, lst: int) -> int:
+        return int(self.store.add(f"{step}/{lst}", 0))
 
     def forget(self, step: int) -> None:
         """Delete this rank's list's counter of ``step`` (rank 0: the pool's too). Call it only

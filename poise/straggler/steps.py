@@ -11,8 +11,9 @@ step that :class:`poise.Session`'s deadline step delegates to it:
    (:mod:`poise.straggler.claims`): from its own list, then the pool, then the other ranks'
    lists, so a rank that is ahead takes work off a delayed one within the step. Before each
    claim it checks the micro-batch would end by the deadline; the one after which the next
-   would not fit is the last, reduced by DDP during its backward (overlap kept). A rank that
-   finds nothing left to claim, or stops before reducing (or computed nothing), enters the
+   would not fit, or after which nothing is left to claim in any list, is the last, reduced by
+   DDP during its backward (overlap kept). A rank that finds nothing left to claim before
+   its last one was armed, or stops before reducing (or computed nothing), enters the
    reduction with a zero backward through DDP, so every rank joins every bucket's all-reduce
    and nobody hangs.
 3. **The count** (:meth:`begin_reduce` / :meth:`end_reduce`): right before the last
@@ -205,7 +206,12 @@ class DeadlineRunner:
             plan.taken[q] += 1
             self.micro_taken_over += q not in (self.rank, self.world_size)
             need = self._predict_s(indices)
-            plan.last = limit is not None and elapsed + need + self._predict_cost_s(typical[q]) > limit
+            # The last micro-batch reduces during its own backward: the next would end after the
+            # deadline, or nothing is left to claim anywhere (the list's last one, the later lists
+            # all claimed: a few store reads, no claim), so no zero backward follows unoverlapped.
+            plan.last = ((limit is not None and elapsed + need + self._predict_cost_s(typical[q]) > limit)
+                         or (i == len(queues.micro[q]) - 1 and all(
+                             self.claims.claimed(plan.index, r) >= len(queues.micro[r]) for r in lists[1:])))
             arm(plan.last)
             plan.current = indices
             batch = load(indices)

@@ -77,6 +77,26 @@ def test_claims_hand_out_each_micro_batch_once():
     assert claims.claim(3, 1) == 0 and claims.claim(4, 0) == 0
     claims.forget(3)
     assert claims.claim(3, 0) == 0 and claims.claim(4, 0) == 1
+    assert claims.claimed(4, 0) == 2 and claims.claimed(4, 7) == 0  # asking claims nothing
+    assert claims.claim(4, 0) == 2
+
+
+@pytest.mark.parametrize("mode", ["deadline", "off"])
+def test_the_last_micro_batch_reduces_when_nothing_is_left_to_claim(mode):
+    """With no deadline binding, the micro-batch after which every list is claimed is armed as
+    the last (DDP reduces during its backward); no zero backward follows it."""
+    runner = DeadlineRunner(StragglerConfig(mode=mode, micro_batches=4), rank=0, world_size=1, costs=np.ones(16),
+                            loss_terms=None, device=torch.device("cpu"))
+    plan = runner.plan_step(0, [np.arange(8)])
+    armed, zeros = [], []
+
+    def arm(last: bool) -> None:
+        armed.append(last)
+        plan.reduced = plan.reduced or last
+
+    for _ in runner.micro_batches(plan, load=lambda indices: indices, arm=arm, zero_reduce=lambda: zeros.append(1)):
+        plan.backwards += 1
+    assert armed == [False, False, False, True] and not zeros
 
 
 def test_the_deadline_follows_the_median_rank_not_the_slowest():

@@ -1,6 +1,6 @@
 """``poise bench balance``: static vs cost-aware vs dynamic sharding, side by side, with a slow rank.
 
-Six real ``poise train`` jobs of code-lm on 2 workers, in one invocation, every one with the
+Nine real ``poise train`` jobs of code-lm on 2 workers, in one invocation, every one with the
 library's defaults (what a user gets):
 
 (a) static: torch's DistributedSampler with fixed batches of ``--batch-size`` samples;
@@ -13,6 +13,21 @@ library's defaults (what a user gets):
     (``1:0.5@STEP``): a device that degrades mid-run;
 (f) dynamic, rank 1 at half speed and every rank's compute stretched each step by 1 + X,
     X exponential with mean ``--noise`` (noisy speeds; sleeps).
+
+Then the balancer with deadline steps (``--straggler deadline``, ``poise/straggler/``) under
+``--delays`` (transient delays, default a mean-normalised lognormal at 20 %): persistent
+slowness should move the shares, transient delays should be met by the deadline and leave
+them alone:
+
+(g) dynamic + deadline, rank 1 at half speed, with the delays;
+(h) static + deadline, the same: the deadline alone (the fast rank takes the slow one's
+    micro-batches within each step, every step);
+(i) dynamic + deadline, equal speeds, with the delays: the shares should stay near equal.
+
+Under a deadline every rank computes until about the same moment, so the per-step balance
+reads near 1 whatever the shares; what tells these runs apart is rank 1's share of the last
+plan, the share of micro-batches other ranks took over from a rank's own list, the share
+deferred to a later step, and the tokens/s.
 
 For each: balance (whole run and second half), when it converged (:func:`converged_at`: the
 first step from which the median balance of the next ``CONVERGED_WINDOW`` steps is at least
@@ -34,7 +49,7 @@ import numpy as np
 
 from poise.bench.harness import output_dir, require_positive, run_train_job, save_results, show_table
 
-HELP = "static vs cost-aware vs dynamic sharding with a slow rank (code-lm, 2 workers)"
+HELP = "static vs cost-aware vs dynamic sharding with a slow rank, and with deadline steps (code-lm, 2 workers)"
 
 
 def loss_at_tokens(curve: list[list[float]], tokens: float, window: float = 0.1) -> float:
@@ -71,16 +86,32 @@ def reversals(replans: list[dict[str, Any]]) -> int:
     return sum(1 for a, b in itertools.pairwise(moves) if a * b < 0)
 
 
+def deadline_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1's share of the last plan (0.5 before any re-plan; of the step's cost), and for
+    deadline steps the share of the ranks' planned micro-batches that another rank took over
+    and that were deferred to a later step (None without a deadline)."""
+    shares = report["replans"][-1]["shares"] if report["replans"] else [0.5, 0.5]
+    ranks = [r for r in report.get("straggler") or [] if r is not None and r["mode"] != "off"]
+    planned = sum(r["micro_planned"] for r in ranks)
+    return {
+        "rank1_share": float(shares[1]),
+        "taken_over": sum(r["micro_taken_over"] for r in ranks) / planned if planned else None,
+        "deferred": sum(r["micro_deferred"] for r in ranks) / planned if planned else None,
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=150, help="steps per run")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step (b, c: on average)")
     parser.add_argument("--slow-speed", type=float, default=0.5, help="speed of the slowed rank 1, in (0, 1]")
     parser.add_argument("--change-at", type=int, default=80, help="(e): the step rank 1 slows down at")
     parser.add_argument("--noise", type=float, default=0.3, help="(f): mean per-step stretch of every rank's compute")
+    parser.add_argument("--delays", default="lognormal:mean=0.2,sigma=1",
+                        help="(g-i): the transient delays injected (poise train --delay)")
     parser.add_argument("--target", type=float, default=0.95, help="balance that counts as converged")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
-    parser.add_argument("--runs", default="a,b,c,d,e,f",
-                        help="which runs, by letter (a-f, comma-separated): e.g. c,e for the dynamic targets alone")
+    parser.add_argument("--runs", default="a,b,c,d,e,f,g,h,i",
+                        help="which runs, by letter (a-i, comma-separated): e.g. c,e for the dynamic targets alone")
     parser.add_argument("--out", default="", help="output directory (default runs/bench-balance-<timestamp>)")
     parser.add_argument("train_args", nargs="*", help="extra 'poise train' flags for every run, after --")
 
@@ -93,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     common = ["--task", "code-lm", "--nproc", "2", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
               *args.train_args]
     slow = ["--rank-speed", f"1:{args.slow_speed}"]
+    deadline = ["--straggler", "deadline", "--delay", args.delays]
     runs: dict[str, list[str]] = {
         "a-static": ["--balance", "static"],
         "b-cost": ["--balance", "cost"],
@@ -100,17 +132,20 @@ def run(args: argparse.Namespace) -> int:
         "d-static-slow": ["--balance", "static", *slow],
         "e-dynamic-change": ["--balance", "dynamic", "--rank-speed", f"1:{args.slow_speed}@{args.change_at}"],
         "f-dynamic-noisy": ["--balance", "dynamic", *slow, "--balance.speed_noise", str(args.noise)],
+        "g-dynamic-deadline-slow": ["--balance", "dynamic", *slow, *deadline],
+        "h-static-deadline-slow": ["--balance", "static", *slow, *deadline],
+        "i-dynamic-deadline": ["--balance", "dynamic", *deadline],
     }
     letters = [x.strip() for x in args.runs.split(",") if x.strip()]
     if not letters or any(x not in [name[0] for name in runs] for x in letters):
-        raise ValueError(f"--runs={args.runs!r}: allowed are the letters a-f, comma-separated (e.g. c,e)")
+        raise ValueError(f"--runs={args.runs!r}: allowed are the letters a-i, comma-separated (e.g. c,e)")
     runs = {name: flags for name, flags in runs.items() if name[0] in letters}
     reports = {name: run_train_job(name, out, [*common, *flags], args.timeout_s) for name, flags in runs.items()}
     common_tokens = min(r["loss_curve"][-1][0] for r in reports.values())
     rows: list[dict[str, Any]] = []
     for name, rep in reports.items():
         per_step = rep["balance_per_step"]
-        cold = int(rep["config"]["balance"]["cold_start_steps"]) if name[2:].startswith("dynamic") else 1
+        cold = int(rep["config"]["balance"]["cold_start_steps"]) if "dynamic" in name else 1
         start = args.change_at if name.startswith("e-") else cold
         at = converged_at(per_step, start, args.target)
         rows.append({
@@ -132,12 +167,14 @@ def run(args: argparse.Namespace) -> int:
             "loss_at_common_tokens": loss_at_tokens(rep["loss_curve"], common_tokens),
             "eval_loss": rep["eval_loss"],
             "tokens_seen": rep["loss_curve"][-1][0],
+            **deadline_figures(rep),
             "slowdown": rep["emulated_slowdown"],
             "replans": rep["replans"],
         })
     show_table(
         f"poise bench balance: code-lm, 2 workers, {args.steps} steps, library defaults; rank 1 at speed "
-        f"{args.slow_speed} in c, d, f, from step {args.change_at} in e; f: noise {args.noise}",
+        f"{args.slow_speed} in c, d, f, g, h, from step {args.change_at} in e; f: noise {args.noise}; "
+        f"g-i: deadline steps under {args.delays}",
         rows,
         [
             ("run", "run", str),
@@ -152,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
             ("throughput_tokens_per_s", "tokens/s", lambda v: f"{v:,.0f}"),
             ("throughput_vs_ideal", "vs ideal", lambda v: f"{v:.2f}"),
             ("padding_waste", "padding", lambda v: f"{v:.2f}"),
+            ("rank1_share", "rank 1 share", lambda v: f"{v:.3f}"),
+            ("taken_over", "taken over", lambda v: "-" if v is None else f"{v:.1%}"),
+            ("deferred", "deferred", lambda v: "-" if v is None else f"{v:.1%}"),
             ("loss_at_common_tokens", f"loss @ {common_tokens / 1e6:.2f}M tok", lambda v: f"{v:.3f}"),
             ("eval_loss", "eval bits/byte", lambda v: f"{v:.3f}"),
         ],

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 import poise
 from tests.dist.test_session import LENGTHS, Sequences, collate, token_mean_loss
@@ -57,7 +57,7 @@ def _steps(rank: int, world_size: int, mode: str, delay: str, codec: str, steps:
             step.backward(token_mean_loss(session.model, x, y))
         out["grads"].append([p.grad.clone() for p in session.model.parameters()])
         out["deadlines"].append(step.plan.deadline_s)
-        out["planned"] = out.get("planned", []) + [step.plan.queues.planned[rank]]
+        out["planned"] = [*out.get("planned", []), step.plan.queues.planned[rank]]
         session.model.zero_grad()
         step.end()
         out["trained"].append(step.trained.tolist())
@@ -166,3 +166,61 @@ def test_delays_without_a_deadline_are_plain_ddp():
     for s in range(4):
         trained = [sorted(r["trained"][s]) for r in results]
         assert all(len(t) == 8 for t in trained) and not set(trained[0]) & set(trained[1])
+
+
+
+EQUAL = np.full(160, 12)  # equal lengths: a step's split is a count of samples, not a cost grouping
+
+
+class EqualSequences(Dataset):
+    """Sample i: 12 random features in [0, 1) and a target per position."""
+
+    def __len__(self) -> int:
+        return len(EQUAL)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return torch.rand(int(EQUAL[i]), 4, generator=g), torch.rand(int(EQUAL[i]), 1, generator=g)
+
+
+def _dynamic(rank: int, world_size: int, delay: str, epochs: int) -> dict:
+    """``balance='dynamic'`` with deadline steps, over several epochs: rank 1's planned share
+    of each step (its list's samples over the step's), the re-plans, and what was trained."""
+    session = poise.Session(
+        _model(), lengths=EQUAL, batch_size=16,
+        balance=poise.BalanceConfig(strategy="dynamic", cold_start_steps=3, replan_every_steps=2),
+        straggler=poise.StragglerConfig(mode="deadline", micro_batches=4, delay=delay, slack=0.1),
+    )
+    loader = DataLoader(EqualSequences(), batch_sampler=session.sampler, collate_fn=collate)
+    shares, trained = [], []
+    for epoch in range(epochs):
+        session.sampler.set_epoch(epoch)
+        epoch_trained: list[int] = []
+        for step, micro_batches in session.steps(loader):
+            for x, y in micro_batches:
+                step.backward(token_mean_loss(session.model, x, y))
+            if step.position >= 0:
+                planned = [sum(len(m) for m in q) for q in step.plan.queues.micro[:2]]
+                shares.append(planned[1] / sum(planned))
+            session.model.zero_grad()
+            step.end()
+            epoch_trained += step.trained.tolist()
+        everything = [None] * world_size
+        dist.all_gather_object(everything, epoch_trained)
+        trained.append(sorted(i for t in everything for i in t))
+    return {"shares": shares, "trained": trained,
+            "replans": [(e.step, [round(x) for x in e.speeds], e.shares, e.decision)
+                        for e in session.partitioner.history]}
+
+
+def test_dynamic_balancing_moves_persistent_slowness_out_of_the_deadline():
+    """Persistent slowness moves the shares (the balancer), not only the work within each step
+    (the deadline's take-overs): rank 1 at 7x its compute plans less and less of each step,
+    and every sample is still trained once per epoch."""
+    results = run_ranks(_dynamic, world_size=2, timeout_s=180, delay="slow:rank=1,x=6", epochs=3)
+    shares = results[0]["shares"]
+    assert results[0]["shares"] == results[1]["shares"]  # every rank plans the same steps
+    assert abs(shares[0] - 0.5) < 0.05  # the cold start: an equal split (to a sample)
+    assert max(shares[-4:]) < 0.35, (shares, results[0]["replans"])  # rank 1's share moved down
+    for epoch in results[0]["trained"]:
+        assert epoch == list(range(len(EQUAL)))  # once each

@@ -23,9 +23,20 @@ def test_a_share_that_goes_up_then_down_is_one_reversal():
     assert bench.reversals([{"shares": [0.6, 0.4]}, {"shares": [0.6, 0.4]}, {"shares": [0.7, 0.3]}]) == 0
 
 
-def test_runs_outside_a_to_f_are_refused_before_any_job_starts(tmp_path):
+def test_runs_outside_a_to_i_are_refused_before_any_job_starts(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--runs", "c,x", "--out", str(tmp_path / "out")])
-    with pytest.raises(ValueError, match="--runs='c,x': allowed are the letters a-f"):
+    with pytest.raises(ValueError, match="--runs='c,x': allowed are the letters a-i"):
         bench.run(args)
+
+
+def test_deadline_figures_are_shares_of_the_planned_micro_batches():
+    report = {"replans": [{"shares": [0.6, 0.4]}, {"shares": [0.66, 0.34]}],
+              "straggler": [{"mode": "deadline", "micro_planned": 80, "micro_taken_over": 6, "micro_deferred": 2},
+                            {"mode": "deadline", "micro_planned": 40, "micro_taken_over": 0, "micro_deferred": 10}]}
+    assert bench.deadline_figures(report) == {"rank1_share": 0.34, "taken_over": 0.05, "deferred": 0.1}
+    # no re-plan yet: equal shares; delays into plain DDP (mode off) or no straggler state: no deadline figures
+    plain = {"replans": [], "straggler": [{"mode": "off", "micro_planned": 8, "micro_taken_over": 0,
+                                           "micro_deferred": 0}, None]}
+    assert bench.deadline_figures(plain) == {"rank1_share": 0.5, "taken_over": None, "deferred": None}

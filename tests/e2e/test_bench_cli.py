@@ -33,7 +33,7 @@ def test_scaling_bench_rejects_bad_worker_counts(tmp_path):
     assert "--workers='2,x' is invalid" in proc.stderr
 
 
-def test_balance_bench_runs_six_jobs_and_writes_json(tmp_path, cache_dir):
+def test_balance_bench_runs_nine_jobs_and_writes_json(tmp_path, cache_dir):
     proc = run_poise("bench", "balance", "--steps", "4", "--batch-size", "4", "--change-at", "2",
                      "--out", str(tmp_path), "--",
                      "--max-seq-len", "128", "--task.cache_dir", str(cache_dir), "--task.eval_max_samples", "16",
@@ -43,7 +43,13 @@ def test_balance_bench_runs_six_jobs_and_writes_json(tmp_path, cache_dir):
     data = json.loads((tmp_path / "balance.json").read_text())
     runs = {r["run"]: r for r in data["runs"]}
     assert set(runs) == {"a-static", "b-cost", "c-dynamic-slow", "d-static-slow", "e-dynamic-change",
-                         "f-dynamic-noisy"}
+                         "f-dynamic-noisy", "g-dynamic-deadline-slow", "h-static-deadline-slow",
+                         "i-dynamic-deadline"}
+    # deadline steps report the fate of the planned micro-batches; plain steps have none
+    assert runs["a-static"]["taken_over"] is None and runs["a-static"]["deferred"] is None
+    for name in ("g-dynamic-deadline-slow", "h-static-deadline-slow", "i-dynamic-deadline"):
+        assert 0.0 <= runs[name]["taken_over"] <= 1.0 and 0.0 <= runs[name]["deferred"] <= 1.0
+    assert runs["h-static-deadline-slow"]["rank1_share"] == 0.5  # static: never re-planned
     assert runs["e-dynamic-change"]["slowdown"][1]["from_step"] == 2
     assert runs["f-dynamic-noisy"]["slowdown"][0]["noise"] == 0.3
     assert runs["c-dynamic-slow"]["slowdown"][1]["speed"] == 0.5

@@ -24,10 +24,12 @@ them alone:
     micro-batches within each step, every step);
 (i) dynamic + deadline, equal speeds, with the delays: the shares should stay near equal.
 
-Under a deadline every rank computes until about the same moment, so the per-step balance
-reads near 1 whatever the shares; what tells these runs apart is rank 1's share of the last
-plan, the share of micro-batches other ranks took over from a rank's own list, the share
-deferred to a later step, and the tokens/s.
+Under a deadline every rank computes until about the same moment (within about one
+micro-batch: a quarter of a step with the default 4), so the per-step balance reads much the
+same whatever the shares; what tells these runs apart is rank 1's share of the last plan, the
+share of micro-batches other ranks took over from a rank's own list, the share deferred to a
+later step, and the throughput against the ideal (tokens/s differ by padding: static batches
+are padded to their longest sample).
 
 For each: balance (whole run and second half), when it converged (:func:`converged_at`: the
 first step from which the median balance of the next ``CONVERGED_WINDOW`` steps is at least

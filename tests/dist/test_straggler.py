@@ -168,7 +168,6 @@ def test_delays_without_a_deadline_are_plain_ddp():
         assert all(len(t) == 8 for t in trained) and not set(trained[0]) & set(trained[1])
 
 
-
 EQUAL = np.full(160, 12)  # equal lengths: a step's split is a count of samples, not a cost grouping
 
 

@@ -33,11 +33,12 @@ def test_scaling_bench_rejects_bad_worker_counts(tmp_path):
     assert "--workers='2,x' is invalid" in proc.stderr
 
 
+@pytest.mark.timeout(450)  # nine 2-worker jobs: ~105 s here, over the default 120 s on a slower CI machine
 def test_balance_bench_runs_nine_jobs_and_writes_json(tmp_path, cache_dir):
     proc = run_poise("bench", "balance", "--steps", "4", "--batch-size", "4", "--change-at", "2",
                      "--out", str(tmp_path), "--",
                      "--max-seq-len", "128", "--task.cache_dir", str(cache_dir), "--task.eval_max_samples", "16",
-                     "--balance.cold_start_steps", "2", timeout_s=400)
+                     "--balance.cold_start_steps", "2", timeout_s=420)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "vs ideal" in proc.stdout
     data = json.loads((tmp_path / "balance.json").read_text())

@@ -99,6 +99,35 @@ def test_the_last_micro_batch_reduces_when_nothing_is_left_to_claim(mode):
     assert armed == [False, False, False, True] and not zeros
 
 
+@pytest.mark.parametrize(("mode", "expected"), [("deadline", [False, False, True]),
+                                                 ("off", [False, False, False, True])])
+def test_a_rank_ends_when_the_others_can_take_the_rest_in_one_round(mode, expected):
+    """4 ranks: rank 0 arms its last micro-batch once at most W - 2 = 2 are left unclaimed in
+    every list (here its own list's last and one of rank 3's), leaving them to the other three;
+    with deadline steps off it computes its whole share and nothing else."""
+    claims = LocalClaims()
+    runner = DeadlineRunner(StragglerConfig(mode=mode, micro_batches=4), rank=0, world_size=4, costs=np.ones(16),
+                            loss_terms=None, device=torch.device("cpu"), claims=claims)
+    plan = runner.plan_step(0, [np.arange(4 * r, 4 * r + 4) for r in range(4)])
+    for lst, n in ((1, 4), (2, 4), (3, 3)):  # the other ranks already took all but one of rank 3's
+        for _ in range(n):
+            claims.claim(0, lst)
+    armed: list[bool] = []
+
+    def arm(last: bool) -> None:
+        armed.append(last)
+        plan.reduced = plan.reduced or last
+
+    got = []
+    for batch in runner.micro_batches(plan, load=lambda indices: indices, arm=arm,
+                                      zero_reduce=lambda: pytest.fail("no zero backward expected")):
+        got.append(batch.tolist())
+        plan.backwards += 1
+    assert armed == expected
+    assert got == [[0], [1], [2], [3]][:len(expected)]
+    assert claims.claimed(0, 0) == len(expected) and claims.claimed(0, 3) == 3  # rank 3's last is left to others
+
+
 def test_the_deadline_follows_the_median_rank_not_the_slowest():
     rates = np.array([1.0, 1.0, 4.0])
     assert deadline_s(rates, np.array([2.0, 2.0, 2.0]), 0.1) == pytest.approx(2.2)

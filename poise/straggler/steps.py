@@ -258,10 +258,10 @@ class DeadlineRunner:
         finish their current micro-batch, so they take W − 2 in one round even with one of them
         stalled. Ending here puts a stall that follows this micro-batch after the reduction, where
         it delays this rank's next start (absorbed by the deadline's origin, see module doc),
-        instead of before it, where every rank would wait for it. Simulated with 2 cores shared by
-        4 ranks under this module's Pareto and lognormal delays, the step's throughput rises about
-        1 point at 4 ranks and 2.5 at 8 over ``spare = 0``; at 2 ranks ``spare`` is 0. Costs a
-        store read per list left, and only once the current list has ``spare`` or fewer left.
+        instead of before it, where every rank would wait for it. At 2 ranks ``spare`` is 0. The
+        cost: a store read per list left, and only once the current list has ``spare`` or fewer
+        left; a rank may wait at the reduction for up to one micro-batch of the others' instead
+        of computing it.
         """
         q = lists[0]
         left = len(plan.queues.micro[q]) - 1 - i

@@ -194,7 +194,6 @@ class DeadlineRunner:
         order = queues.order(self.rank) if self.config.enabled else [self.rank]
         lists = [q for q in order if queues.micro[q]]
         typical = {q: float(np.mean([self.costs[mb].sum() for mb in queues.micro[q]])) for q in lists}
-        spare = max(0, self.world_size - 2) if self.config.enabled else 0
         while lists:
             q = lists[0]
             elapsed = time.perf_counter() - origin
@@ -211,7 +210,7 @@ class DeadlineRunner:
             # The last micro-batch reduces during its own backward: the next would end after the
             # deadline, or the other ranks can take what is left in one round (see _few_left).
             plan.last = ((limit is not None and elapsed + need + self._predict_cost_s(typical[q]) > limit)
-                         or self._few_left(plan, lists, i, spare))
+                         or self._few_left(plan, lists, i))
             arm(plan.last)
             plan.current = indices
             batch = load(indices)
@@ -249,7 +248,7 @@ class DeadlineRunner:
         if not plan.reduced:
             raise RuntimeError(f"step {plan.index}: the deadline step ended without its reduction")
 
-    def _few_left(self, plan: StepPlan, lists: list[int], i: int, spare: int) -> bool:
+    def _few_left(self, plan: StepPlan, lists: list[int], i: int) -> bool:
         """Whether at most ``spare`` micro-batches are left unclaimed in every list once this
         rank took micro-batch ``i`` of ``lists[0]`` (its lists in claiming order, the exhausted
         ones gone): then this micro-batch is its last and reduces during its own backward.
@@ -258,13 +257,13 @@ class DeadlineRunner:
         finish their current micro-batch, so they take W − 2 in one round even with one of them
         stalled. Ending here puts a stall that follows this micro-batch after the reduction, where
         it delays this rank's next start (absorbed by the deadline's origin, see module doc),
-        instead of before it, where every rank would wait for it. At 2 ranks ``spare`` is 0. The
-        cost: a store read per list left, and only once the current list has ``spare`` or fewer
-        left; a rank may wait at the reduction for up to one micro-batch of the others' instead
-        of computing it.
+        instead of before it, where every rank would wait for it. At 2 ranks, and with deadline
+        steps off (a rank computes its own share only), ``spare`` is 0. The cost: a store read
+        per list left, and only once the current list has ``spare`` or fewer left; a rank may
+        wait at the reduction for up to one micro-batch of the others' instead of computing it.
         """
-        q = lists[0]
-        left = len(plan.queues.micro[q]) - 1 - i
+        spare = max(0, self.world_size - 2) if self.config.enabled else 0
+        left = len(plan.queues.micro[lists[0]]) - 1 - i
         for r in lists[1:]:
             if left > spare:
                 return False

@@ -81,6 +81,27 @@ def test_claims_hand_out_each_micro_batch_once():
     assert claims.claim(4, 0) == 2
 
 
+def _run_step(runner: DeadlineRunner, plan: StepPlan) -> tuple[list[bool], list[list[int]], int]:
+    """One rank's micro-batches of ``plan`` with one backward each (no model): what ``arm`` was
+    told before each (last or not), the micro-batches handed out, and the zero backwards run."""
+    armed: list[bool] = []
+    got: list[list[int]] = []
+    zeros = 0
+
+    def arm(last: bool) -> None:
+        armed.append(last)
+        plan.reduced = plan.reduced or last
+
+    def zero_reduce() -> None:
+        nonlocal zeros
+        zeros += 1
+
+    for batch in runner.micro_batches(plan, load=lambda indices: indices, arm=arm, zero_reduce=zero_reduce):
+        got.append(batch.tolist())
+        plan.backwards += 1
+    return armed, got, zeros
+
+
 @pytest.mark.parametrize("mode", ["deadline", "off"])
 def test_the_last_micro_batch_reduces_when_nothing_is_left_to_claim(mode):
     """With no deadline binding, the micro-batch after which every list is claimed is armed as
@@ -88,14 +109,7 @@ def test_the_last_micro_batch_reduces_when_nothing_is_left_to_claim(mode):
     runner = DeadlineRunner(StragglerConfig(mode=mode, micro_batches=4), rank=0, world_size=1, costs=np.ones(16),
                             loss_terms=None, device=torch.device("cpu"))
     plan = runner.plan_step(0, [np.arange(8)])
-    armed, zeros = [], []
-
-    def arm(last: bool) -> None:
-        armed.append(last)
-        plan.reduced = plan.reduced or last
-
-    for _ in runner.micro_batches(plan, load=lambda indices: indices, arm=arm, zero_reduce=lambda: zeros.append(1)):
-        plan.backwards += 1
+    armed, _, zeros = _run_step(runner, plan)
     assert armed == [False, False, False, True] and not zeros
 
 
@@ -112,17 +126,8 @@ def test_a_rank_ends_when_the_others_can_take_the_rest_in_one_round(mode, expect
     for lst, n in ((1, 4), (2, 4), (3, 3)):  # the other ranks already took all but one of rank 3's
         for _ in range(n):
             claims.claim(0, lst)
-    armed: list[bool] = []
-
-    def arm(last: bool) -> None:
-        armed.append(last)
-        plan.reduced = plan.reduced or last
-
-    got = []
-    for batch in runner.micro_batches(plan, load=lambda indices: indices, arm=arm,
-                                      zero_reduce=lambda: pytest.fail("no zero backward expected")):
-        got.append(batch.tolist())
-        plan.backwards += 1
+    armed, got, zeros = _run_step(runner, plan)
+    assert not zeros
     assert armed == expected
     assert got == [[0], [1], [2], [3]][:len(expected)]
     assert claims.claimed(0, 0) == len(expected) and claims.claimed(0, 3) == 3  # rank 3's last is left to others

@@ -228,10 +228,11 @@ def _tables(args: argparse.Namespace, out: Path, rows: list[dict[str, Any]], che
             models: list[str]) -> int:
     _compare(rows)
     table = _summary(rows)
+    setup = _setup(rows)
     show_table(
-        f"poise bench stragglers: code-lm d128x2 (256 bytes), {args.steps} steps, batch {args.batch_size}/rank in "
-        f"{args.micro_batches} micro-batches, 1 thread per worker on this machine's cores, medians over "
-        f"{args.seeds} seed(s). Delays (each a 20% mean inflation): " + "; ".join(
+        f"poise bench stragglers: code-lm d128x2 (256 bytes), {setup['steps']} steps, batch {setup['batch_size']}/rank "
+        f"in {setup['micro_batches']} micro-batches, 1 thread per worker on this machine's cores, medians over "
+        f"{setup['seeds']} seed(s). Delays (each a 20% mean inflation): " + "; ".join(
             f"{m} = {DelayModel.parse(MODELS[m]).describe()}" for m in models),
         table,
         [
@@ -259,10 +260,30 @@ def _tables(args: argparse.Namespace, out: Path, rows: list[dict[str, Any]], che
                             ("samples_duplicated", "dup", str), ("deferred_share", "deferred", lambda v: f"{v:.1%}")])
     for r in rows:
         r.pop("_report")
-    save_results(out, "stragglers", {"steps": args.steps, "seeds": len({r["seed"] for r in rows}),
+    save_results(out, "stragglers", {**setup,
                                      "models": {m: MODELS[m] for m in models},
                                      "runs": rows, "summary": table, "predictors": scores, "epoch_checks": checks})
     return 0
+
+
+def _setup(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Steps, samples per rank per step and micro-batches per rank per step, read from the
+    runs' own resolved configs (a table recomputed with ``--from`` describes the runs it
+    read, not this call's flags), and the number of seeds.
+
+    Raises:
+        ValueError: the runs disagree on one of them (one line naming it and the values).
+    """
+    keys = {"steps": ("train", "steps"), "batch_size": ("train", "batch_size"),
+            "micro_batches": ("straggler", "micro_batches")}
+    setup = {"seeds": len({r["seed"] for r in rows})}
+    for key, (section, field) in keys.items():
+        values = sorted({int(r["_report"]["config"][section][field]) for r in rows})
+        if len(values) != 1:
+            raise ValueError(f"the runs disagree on {section}.{field} ({', '.join(map(str, values))}): "
+                             "one table compares runs of one setup")
+        setup[key] = values[0]
+    return setup
 
 
 def _compare(rows: list[dict[str, Any]]) -> None:

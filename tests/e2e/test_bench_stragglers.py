@@ -19,6 +19,7 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
                      "--seeds", "1", "--steps", "8", "--batch-size", "16", "--out", str(tmp_path), timeout_s=290)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     data = json.loads((tmp_path / "stragglers.json").read_text())
+    assert (data["steps"], data["batch_size"], data["micro_batches"], data["seeds"]) == (8, 16, 8, 1)
     runs = {r["run"]: r for r in data["runs"]}
     assert set(runs) == {"w2-delay-free-s0", "w2-bernoulli-ddp-s0", "w2-bernoulli-deadline-s0",
                          "w2-delay-free-after-bernoulli-s0"}

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from poise.bench.stragglers import _compare
+from poise.bench.stragglers import _compare, _setup
 
 
-def _row(name: str, mode: str, finished_s: float, samples_per_s: float, seed: int = 0) -> dict:
+def _row(name: str, mode: str, finished_s: float, samples_per_s: float, seed: int = 0, micro: int = 8) -> dict:
     curve = [[1000.0 * (i + 1), 3.0 - 0.1 * i] for i in range(12)]
+    config = {"train": {"steps": 12, "batch_size": 64}, "straggler": {"micro_batches": micro}}
     return {"run": name, "world_size": 4, "delay_model": "none" if mode == "delay-free" else "lognormal",
             "mode": mode, "seed": seed, "finished_s": finished_s, "throughput_samples_per_s": samples_per_s,
-            "tokens": curve[-1][0], "_report": {"loss_curve": curve, "step_s_per_step": [1.0] * 12}}
+            "tokens": curve[-1][0], "_report": {"loss_curve": curve, "step_s_per_step": [1.0] * 12, "config": config}}
 
 
 def test_a_run_between_the_delay_free_runs_is_compared_with_their_speed_at_its_time():
@@ -42,3 +43,13 @@ def test_each_run_is_compared_with_the_delay_free_runs_closest_around_it():
     _compare(rows)
     ratio = {r["run"]: r["throughput_vs_delay_free"] for r in rows}
     assert ratio["a"] == pytest.approx(72.0 / 80.0) and ratio["b"] == pytest.approx(1.0)
+
+
+def test_the_tables_describe_the_runs_they_read_not_the_flags_of_the_call():
+    # --from recomputes the tables of finished runs: their steps, batch and micro-batches come
+    # from the runs' own configs; runs of two setups in one table are refused
+    rows = [_row("free0", "delay-free", 0.0, 100.0, micro=16), _row("run0", "deadline", 5.0, 95.0, micro=16),
+            _row("free1", "delay-free", 0.0, 90.0, seed=1, micro=16)]
+    assert _setup(rows) == {"seeds": 2, "steps": 12, "batch_size": 64, "micro_batches": 16}
+    with pytest.raises(ValueError, match=r"straggler.micro_batches \(8, 16\)"):
+        _setup([*rows, _row("run1", "deadline", 5.0, 80.0, seed=1, micro=8)])

@@ -26,8 +26,9 @@ against the next observation and against its compute alone), and an epoch of the
 task under each model with ``deadline``: every sample trained exactly once.
 
 Writes ``stragglers.json``: one row per run (``run``, ``world_size``, ``delay_model``, ``mode``,
-``throughput_vs_delay_free``, ``loss_vs_delay_free``, ``p99_step_s``, ...), the predictor
-scores and the epoch checks.
+``throughput_vs_delay_free``, ``loss_vs_delay_free``, ``p99_step_s``, ...), the setup the
+runs share (``steps``, ``batch_size``, ``micro_batches``, ``seeds``, read from their configs),
+the predictor scores and the epoch checks.
 """
 
 from __future__ import annotations

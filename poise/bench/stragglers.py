@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_dir:
         out = Path(args.from_dir)
         rows, checks = _read_back(out)
-        return _tables(args, out, rows, checks, sorted({r["delay_model"] for r in rows} - {"none"}))
+        return _tables(out, rows, checks, sorted({r["delay_model"] for r in rows} - {"none"}))
     out = output_dir(args.out, "stragglers")
     rows: list[dict[str, Any]] = []
     for world in worlds:
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             for name, model, mode, flags in jobs:
                 rows.append(_row(name, world, model, mode, seed, run_train_job(name, out, flags, args.timeout_s), out))
     checks = [] if args.no_epoch_check else _epoch_checks(args, out, models, max(worlds))
-    return _tables(args, out, rows, checks, models)
+    return _tables(out, rows, checks, models)
 
 
 def _read_back(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -225,11 +225,10 @@ def _read_back(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return rows, checks
 
 
-def _tables(args: argparse.Namespace, out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
-            models: list[str]) -> int:
+def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]], models: list[str]) -> int:
+    setup = _setup(rows)  # first: runs of two setups are refused before any work
     _compare(rows)
     table = _summary(rows)
-    setup = _setup(rows)
     show_table(
         f"poise bench stragglers: code-lm d128x2 (256 bytes), {setup['steps']} steps, batch {setup['batch_size']}/rank "
         f"in {setup['micro_batches']} micro-batches, 1 thread per worker on this machine's cores, medians over "

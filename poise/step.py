@@ -9,7 +9,7 @@ module imports this one, never the other way round).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -157,12 +157,20 @@ class DeadlineStep(Step):
         self.empty = False
         self._loss_sum: torch.Tensor | None = None
         self._terms = 0.0
+        self._micro: Generator[Any, None, None] | None = None
 
     def micro_batches(self, load: Callable[[np.ndarray], Any]) -> Iterator[Any]:
         """This rank's micro-batches until the deadline, each loaded by ``load(indices)``."""
         runner = self.session.deadline
         assert runner is not None
-        return runner.micro_batches(self.plan, load, self._arm, self._zero_reduce)
+        self._micro = runner.micro_batches(self.plan, load, self._arm, self._zero_reduce)
+        return self._micro
+
+    def _close_micro(self) -> None:
+        """Close the micro-batch loop if it was left early: it holds the step's lock and watchdog."""
+        if self._micro is not None:
+            self._micro.close()
+            self._micro = None
 
     def _arm(self, last: bool) -> None:
         """Before a micro-batch's forward: DDP reduces in its backward only when it is the last."""
@@ -222,6 +230,7 @@ class DeadlineStep(Step):
         if m is None or s._active is not self:
             raise ValueError(f"step {self.index} is not open: end() once per step")
         assert s.deadline is not None
+        self._close_micro()
         if not self.plan.reduced:  # the micro-batch loop was left early: join the reduction now
             self._arm(True)
             self._zero_reduce()
@@ -233,6 +242,11 @@ class DeadlineStep(Step):
         self.loss = self._loss_sum / self._terms if self._loss_sum is not None and self._terms else None
         self.skipped = self.skipped or self.empty
         super().end()
+
+    def abort(self) -> None:
+        """Close the step without recording it (an error interrupted it)."""
+        self._close_micro()
+        super().abort()
 
 
 __all__ = ["DeadlineStep", "Step"]

@@ -17,6 +17,16 @@ step that :class:`poise.Session`'s deadline step delegates to it:
    its last one was armed, or stops before reducing (or computed nothing), enters the
    reduction with a zero backward through DDP, so every rank joins every bucket's all-reduce
    and nobody hangs.
+   **The watchdog**: a rank that is not inside a forward or backward at the deadline (in an
+   injected delay: a stall between micro-batches, before its first) does not hold the others
+   back: a thread of its own enters the reduction for it at the deadline, with the
+   micro-batches it finished (:meth:`DeadlineRunner._watch`). The rank's thread holds the
+   step's lock except in those delays, so the watchdog never reads a gradient half
+   accumulated; a forward or backward that runs past the deadline is waited for. The stalled
+   rank steps its optimizer when it wakes and starts the next step late, with what is left
+   of that step's deadline (its origin stays the others', see below). What the delays stand
+   for: time a rank's training loop is held outside its compute (waiting for input,
+   descheduled), which the all-reduce, run on another thread, need not wait for.
 3. **The count** (:meth:`begin_reduce` / :meth:`end_reduce`): right before the last
    backward each rank starts one small asynchronous all-reduce of ``[loss terms computed,
    predicted rate, gap]`` per rank and the micro-batches it took from each list
@@ -33,7 +43,8 @@ the count). A rank delayed after its reduction (a stall after its last micro-bat
 before its next step) therefore starts late with less time left, and still reaches the next
 reduction with the others; counted from its own start, it would take its whole deadline and
 make every other rank wait for the delay. A rank more than half the deadline late (a
-checkpoint save, the first step) counts from its own start.
+checkpoint save, the first step) counts from its own start, unless the watchdog entered its
+last reduction (then it was late alone, and the others are already computing).
 
 Why the median rank's predicted time sets the deadline, and work is claimed, not dealt: a
 rank that is ahead takes the pool's and a delayed rank's micro-batches until the deadline,
@@ -45,8 +56,9 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +101,8 @@ class StepPlan:
     stall_s: float = 0.0  # delays injected on this rank in this step
     current: np.ndarray | None = None  # the micro-batch handed out last
     backwards: int = 0  # backward calls of the step (one per micro-batch)
+    joined_late: bool = False  # the watchdog entered the reduction for this rank while it stalled
+    error: BaseException | None = None  # what the watchdog's reduction raised
 
 
 class DeadlineRunner:
@@ -133,6 +147,8 @@ class DeadlineRunner:
         self._observed_steps = 0  # steps finished (the first one's micro-batches are not observed)
         self._settled_s: float | None = None  # perf_counter() when the last reduction ended here
         self._usual_gap_s: float | None = None  # agreed: the smallest gap of any rank in the last step
+        self._joined_late = False  # the watchdog entered the last step's reduction for this rank
+        self._lock = threading.Lock()  # held by the rank's thread except in injected delays (see _stall)
 
     # -- plan ------------------------------------------------------------------------------
 
@@ -173,80 +189,133 @@ class DeadlineRunner:
         return rate * cost
 
     def micro_batches(self, plan: StepPlan, load: Callable[[np.ndarray], Any],
-                      arm: Callable[[bool], None], zero_reduce: Callable[[], None]) -> Iterator[Any]:
+                      arm: Callable[[bool], None], zero_reduce: Callable[[], None]) -> Generator[Any, None, None]:
         """This rank's micro-batches of ``plan`` until the deadline, loaded by ``load(indices)``.
 
         ``arm(last)`` is called before each is handed out (last: its backward reduces);
         ``zero_reduce()`` joins the reduction when the rank stops without a reducing backward.
-        The caller runs one ``backward`` per micro-batch handed out.
+        The caller runs one ``backward`` per micro-batch handed out. Close the generator when
+        leaving its loop early (:class:`poise.step.DeadlineStep` does): it holds the step's lock.
         """
         queues = plan.queues
         own = queues.micro[self.rank]
         mark = plan.started_s
-        stall = self.delay.before_step(self.rank, plan.index, self._predict_s(np.concatenate(own))
-                                       if own and self.predictor.predict() is not None else None)
-        if stall:
-            time.sleep(stall)
-            plan.stall_s += stall
         limit = plan.deadline_s
         origin = self._origin_s(plan)
-        # off (delays injected into plain DDP): every rank computes its own share, nothing else
-        order = queues.order(self.rank) if self.config.enabled else [self.rank]
-        lists = [q for q in order if queues.micro[q]]
-        typical = {q: float(np.mean([self.costs[mb].sum() for mb in queues.micro[q]])) for q in lists}
-        while lists:
-            q = lists[0]
-            elapsed = time.perf_counter() - origin
-            if limit is not None and elapsed + self._predict_cost_s(typical[q]) > limit:
-                break  # claim nothing that would end after the deadline: the rest goes to the pool
-            i = self.claims.claim(plan.index, q)
-            if i >= len(queues.micro[q]):
-                lists.pop(0)  # nothing left in this list
-                continue
-            indices = queues.micro[q][i]
-            plan.taken[q] += 1
-            self.micro_taken_over += q not in (self.rank, self.world_size)
-            need = self._predict_s(indices)
-            # The last micro-batch reduces during its own backward: the next would end after the
-            # deadline, or the other ranks can take what is left in one round (see _few_left).
-            plan.last = ((limit is not None and elapsed + need + self._predict_cost_s(typical[q]) > limit)
-                         or self._few_left(plan, lists, i))
-            arm(plan.last)
-            plan.current = indices
-            batch = load(indices)
-            began = time.perf_counter()
-            yield batch
-            if plan.backwards != plan.computed + 1:
-                raise ValueError(f"step {plan.index}: micro-batch {plan.computed} was handed out but no "
-                                 "step.backward(loss) ran for it: one backward per micro-batch")
-            compute_s = time.perf_counter() - began
-            stall = self.delay.after_micro(self.rank, plan.index, plan.computed, compute_s)
-            if stall:
-                time.sleep(stall)
-                plan.stall_s += stall
-            plan.computed += 1
-            plan.terms += self.terms_of(indices)
-            plan.mine.append(indices)
-            now = time.perf_counter()
-            cost = float(self.costs[indices].sum())
-            # Not observed: the last micro-batch (its backward waits for the reduction, hence for
-            # the other ranks) and the run's first step (first forward and backward, bucket set-up).
-            if cost > 0 and not plan.last and self._observed_steps:
-                self.predictor.update((now - mark) / cost)
-                self.trace.append(((now - mark) / cost, compute_s / cost))
-            mark = now
-            if plan.last:
-                break
-        plan.current = None
-        if not plan.reduced:
-            if self.stash is not None and plan.computed == 0 and self.stash.usable(plan.index):
-                plan.terms = self.stash.begin_replay(plan.reference)
-                plan.stale = True
-                self.stale_steps += 1
-            arm(True)
-            zero_reduce()
+        done = threading.Event()
+        watch = self._watch(plan, origin + limit, done, arm, zero_reduce) if limit is not None else None
+        self._lock.acquire()
+        try:
+            self._stall(plan, self.delay.before_step(self.rank, plan.index, self._predict_s(np.concatenate(own))
+                                                     if own and self.predictor.predict() is not None else None))
+            # off (delays injected into plain DDP): every rank computes its own share, nothing else
+            order = queues.order(self.rank) if self.config.enabled else [self.rank]
+            lists = [q for q in order if queues.micro[q]]
+            typical = {q: float(np.mean([self.costs[mb].sum() for mb in queues.micro[q]])) for q in lists}
+            while lists and not plan.reduced:
+                q = lists[0]
+                elapsed = time.perf_counter() - origin
+                if limit is not None and elapsed + self._predict_cost_s(typical[q]) > limit:
+                    break  # claim nothing that would end after the deadline: the rest goes to the pool
+                i = self.claims.claim(plan.index, q)
+                if i >= len(queues.micro[q]):
+                    lists.pop(0)  # nothing left in this list
+                    continue
+                indices = queues.micro[q][i]
+                plan.taken[q] += 1
+                self.micro_taken_over += q not in (self.rank, self.world_size)
+                need = self._predict_s(indices)
+                # The last micro-batch reduces during its own backward: the next would end after the
+                # deadline, or the other ranks can take what is left in one round (see _few_left).
+                plan.last = ((limit is not None and elapsed + need + self._predict_cost_s(typical[q]) > limit)
+                             or self._few_left(plan, lists, i))
+                arm(plan.last)
+                plan.current = indices
+                batch = load(indices)
+                began = time.perf_counter()
+                yield batch
+                if plan.backwards != plan.computed + 1:
+                    raise ValueError(f"step {plan.index}: micro-batch {plan.computed} was handed out but no "
+                                     "step.backward(loss) ran for it: one backward per micro-batch")
+                compute_s = time.perf_counter() - began
+                # counted before the stall: the watchdog may reduce this gradient while it lasts
+                plan.computed += 1
+                plan.terms += self.terms_of(indices)
+                plan.mine.append(indices)
+                plan.current = None
+                self._stall(plan, self.delay.after_micro(self.rank, plan.index, plan.computed - 1, compute_s))
+                now = time.perf_counter()
+                cost = float(self.costs[indices].sum())
+                # Not observed: the last micro-batch (its backward waits for the reduction, hence for
+                # the other ranks) and the run's first step (first forward and backward, bucket set-up).
+                if cost > 0 and not plan.last and self._observed_steps:
+                    self.predictor.update((now - mark) / cost)
+                    self.trace.append(((now - mark) / cost, compute_s / cost))
+                mark = now
+                if plan.last:
+                    break
+            plan.current = None
+            if not plan.reduced:
+                self._join(plan, arm, zero_reduce)
+        finally:
+            self._lock.release()
+            done.set()
+            if watch is not None:
+                watch.join()
+        if plan.error is not None:
+            raise plan.error
         if not plan.reduced:
             raise RuntimeError(f"step {plan.index}: the deadline step ended without its reduction")
+
+    def _join(self, plan: StepPlan, arm: Callable[[bool], None], zero_reduce: Callable[[], None]) -> None:
+        """Enter the reduction without a reducing backward of a micro-batch (with the step's lock
+        held): the stash in its place under ``deadline+stale`` when this rank computed nothing."""
+        if self.stash is not None and plan.computed == 0 and self.stash.usable(plan.index):
+            plan.terms = self.stash.begin_replay(plan.reference)
+            plan.stale = True
+            self.stale_steps += 1
+        arm(True)
+        zero_reduce()
+
+    def _stall(self, plan: StepPlan, seconds: float) -> None:
+        """An injected delay: a sleep with the step's lock released, so the watchdog can enter
+        the reduction meanwhile (the delay stands for time this rank is not inside a forward or
+        backward: waiting for input, descheduled; see module doc)."""
+        if seconds <= 0:
+            return
+        self._lock.release()
+        try:
+            time.sleep(seconds)
+        finally:
+            self._lock.acquire()
+        plan.stall_s += seconds
+
+    def _watch(self, plan: StepPlan, at_s: float, done: threading.Event, arm: Callable[[bool], None],
+               zero_reduce: Callable[[], None]) -> threading.Thread | None:
+        """Start the step's watchdog: at ``at_s`` (perf_counter seconds: the shared deadline) it
+        takes the step's lock (waiting out a forward or backward in progress) and, if this rank
+        has not entered the reduction yet, enters it with what the rank computed so far."""
+        if self.world_size == 1:
+            return None
+        device = self.device
+
+        def watch() -> None:
+            if done.wait(max(0.0, at_s - time.perf_counter())):
+                return  # the rank left its micro-batches before the deadline
+            with self._lock:
+                if plan.reduced:
+                    return
+                try:
+                    if device.type == "cuda":
+                        torch.cuda.set_device(device)  # the current device is per thread
+                    self._join(plan, arm, zero_reduce)
+                    plan.joined_late = True
+                except BaseException as error:  # raised again on the rank's own thread
+                    plan.error = error
+
+        thread = threading.Thread(target=watch, name=f"poise-deadline-{plan.index}", daemon=True)
+        thread.start()
+        return thread
 
     def _few_left(self, plan: StepPlan, lists: list[int], i: int) -> bool:
         """Whether at most ``spare`` micro-batches are left unclaimed in every list once this
@@ -277,7 +346,7 @@ class DeadlineRunner:
         if plan.deadline_s is None or self._settled_s is None or self._usual_gap_s is None:
             return plan.started_s
         anchor = self._settled_s + self._usual_gap_s
-        if plan.started_s - anchor > 0.5 * plan.deadline_s:
+        if plan.started_s - anchor > 0.5 * plan.deadline_s and not self._joined_late:
             return plan.started_s
         return min(anchor, plan.started_s)
 
@@ -325,6 +394,7 @@ class DeadlineRunner:
         # a stale rank took nothing: its taken entries are 0, as the other ranks learnt too
         self.pool = pool_after(queues, plan.taken_all)
         self._wait_for_all = plan.total_terms == 0
+        self._joined_late = plan.joined_late
         self._observed_steps += 1
         if sampler_step:
             planned = queues.planned[self.rank]

@@ -63,6 +63,8 @@ def _steps(rank: int, world_size: int, mode: str, delay: str, codec: str, steps:
         out["trained"].append(step.trained.tolist())
         out["small"].append(small[0])
         out["empty"].append(step.empty)
+        out["catch_up"] = [*out.get("catch_up", []), step.position < 0]
+        out["late"] = [*out.get("late", []), step.plan.joined_late]
         if len(out["trained"]) == steps:
             break
     dist.all_reduce = all_reduce
@@ -98,18 +100,21 @@ def test_the_gradient_is_the_exact_mean_over_the_terms_computed(world_size, dela
     # the slow rank, whose micro-batches the others take, may need one more
     deadlines, empty = results[0]["deadlines"], results[0]["empty"]
     assert deadlines[:2] == [None, None] and any(d is not None for d in deadlines[2:])
-    # once set, a step has no deadline only after a step where nobody computed anything
+    # once set, a step has no deadline only after a step where nobody computed anything, or in
+    # the epoch's catch-up steps (the pool dealt to few ranks, most of them without a rate yet)
     first = next(s for s, d in enumerate(deadlines) if d is not None)
-    assert all(deadlines[s] is not None or empty[s - 1] for s in range(first, steps))
+    catch_up = results[0]["catch_up"]
+    assert all(deadlines[s] is not None or empty[s - 1] or catch_up[s] for s in range(first, steps))
     # one small collective a step (the count that also agrees the next deadline)
     assert results[0]["small"] == list(range(1, steps + 1))
     # the slow rank really was cut: its micro-batches were taken over by the others, or deferred
     taken_over = sum(r["summary"]["micro_taken_over"] for r in results)
     assert results[1]["summary"]["micro_taken_over"] == 0 and taken_over + results[1]["summary"]["micro_deferred"] > 0
     if world_size == 3:
-        # once rank 1 knows its own rate (3 micro-batches observed, from step 4) it computes
-        # nothing by the deadline, and nobody hung
-        assert all(len(results[1]["trained"][s]) == 0 for s in range(4, steps))
+        # rank 1's stalls (30x its compute) outlast the deadline: its watchdog entered the
+        # reduction for it while it slept (those steps' gradients were exact, above), never the
+        # others'; nobody hung
+        assert any(results[1]["late"]) and not any(results[0]["late"] + results[2]["late"])
 
 
 def _epoch(rank: int, world_size: int, mode: str) -> dict:

@@ -231,6 +231,10 @@ class DeadlineStep(Step):
             raise ValueError(f"step {self.index} is not open: end() once per step")
         assert s.deadline is not None
         self._close_micro()
+        if self.plan.current is not None:
+            raise ValueError(f"step {self.index}: the micro-batch loop was left between a micro-batch and its "
+                             "step.backward(loss): that micro-batch is claimed and would be lost; leave the "
+                             "loop after a backward")
         if not self.plan.reduced:  # the micro-batch loop was left early: join the reduction now
             self._arm(True)
             self._zero_reduce()

@@ -25,8 +25,10 @@ step that :class:`poise.Session`'s deadline step delegates to it:
    accumulated; a forward or backward that runs past the deadline is waited for. The stalled
    rank steps its optimizer when it wakes and starts the next step late, with what is left
    of that step's deadline (its origin stays the others', see below). What the delays stand
-   for: time a rank's training loop is held outside its compute (waiting for input,
-   descheduled), which the all-reduce, run on another thread, need not wait for.
+   for: time a rank's training loop waits outside its forward and backward (for its input,
+   for a resource it shares), which the all-reduce, run from another thread, need not wait
+   for. Loading a micro-batch stays under the lock: it is claimed by then, and a claimed
+   micro-batch counts as computed.
 3. **The count** (:meth:`begin_reduce` / :meth:`end_reduce`): right before the last
    backward each rank starts one small asynchronous all-reduce of ``[loss terms computed,
    predicted rate, gap]`` per rank and the micro-batches it took from each list
@@ -233,16 +235,17 @@ class DeadlineRunner:
                 plan.current = indices
                 batch = load(indices)
                 began = time.perf_counter()
-                yield batch
+                try:
+                    yield batch
+                except GeneratorExit:  # the caller left its loop: count what its backward added
+                    if plan.backwards == plan.computed + 1:
+                        self._computed(plan, indices)
+                    raise
                 if plan.backwards != plan.computed + 1:
                     raise ValueError(f"step {plan.index}: micro-batch {plan.computed} was handed out but no "
                                      "step.backward(loss) ran for it: one backward per micro-batch")
                 compute_s = time.perf_counter() - began
-                # counted before the stall: the watchdog may reduce this gradient while it lasts
-                plan.computed += 1
-                plan.terms += self.terms_of(indices)
-                plan.mine.append(indices)
-                plan.current = None
+                self._computed(plan, indices)  # before the stall: the watchdog may reduce it meanwhile
                 self._stall(plan, self.delay.after_micro(self.rank, plan.index, plan.computed - 1, compute_s))
                 now = time.perf_counter()
                 cost = float(self.costs[indices].sum())
@@ -267,6 +270,13 @@ class DeadlineRunner:
         if not plan.reduced:
             raise RuntimeError(f"step {plan.index}: the deadline step ended without its reduction")
 
+    def _computed(self, plan: StepPlan, indices: np.ndarray) -> None:
+        """Count the micro-batch handed out, whose backward ran: its gradient is accumulated."""
+        plan.computed += 1
+        plan.terms += self.terms_of(indices)
+        plan.mine.append(indices)
+        plan.current = None
+
     def _join(self, plan: StepPlan, arm: Callable[[bool], None], zero_reduce: Callable[[], None]) -> None:
         """Enter the reduction without a reducing backward of a micro-batch (with the step's lock
         held): the stash in its place under ``deadline+stale`` when this rank computed nothing."""
@@ -279,8 +289,8 @@ class DeadlineRunner:
 
     def _stall(self, plan: StepPlan, seconds: float) -> None:
         """An injected delay: a sleep with the step's lock released, so the watchdog can enter
-        the reduction meanwhile (the delay stands for time this rank is not inside a forward or
-        backward: waiting for input, descheduled; see module doc)."""
+        the reduction meanwhile (the delay stands for time this rank waits outside its forward
+        and backward; see module doc)."""
         if seconds <= 0:
             return
         self._lock.release()

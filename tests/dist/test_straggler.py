@@ -173,6 +173,44 @@ def test_delays_without_a_deadline_are_plain_ddp():
         assert all(len(t) == 8 for t in trained) and not set(trained[0]) & set(trained[1])
 
 
+def _two_micro_batches_a_step(rank: int, world_size: int, steps: int) -> dict:
+    """A loop that leaves its micro-batches after the second, every step, beside a rank whose
+    stalls outlast the deadline (its watchdog may be waiting for the step's lock then): what
+    each step trained and its gradient."""
+    session = _session(world_size, "deadline", "slow:rank=1,x=30", "none")
+    loader = DataLoader(Sequences(), batch_sampler=session.sampler, collate_fn=collate)
+    out: dict = {"trained": [], "deadlines": [], "grads": []}
+    for step, micro_batches in session.steps(loader):
+        for n, (x, y) in enumerate(micro_batches):
+            step.backward(token_mean_loss(session.model, x, y))
+            if n == 1:
+                break
+        step.end()
+        out["grads"].append([p.grad.clone() for p in session.model.parameters()])
+        session.model.zero_grad()
+        out["trained"].append(step.trained.tolist())
+        out["deadlines"].append(step.plan.deadline_s)
+        if len(out["trained"]) == steps:
+            break
+    return out
+
+
+def test_leaving_the_micro_batch_loop_early_keeps_the_mean_exact_and_nobody_hangs():
+    results = run_ranks(_two_micro_batches_a_step, world_size=3, timeout_s=120, steps=8)
+    assert any(d is not None for d in results[0]["deadlines"])  # the watchdogs were armed
+    reference = _model()
+    for s in range(8):
+        trained = [i for r in results for i in r["trained"][s]]
+        assert len(trained) == len(set(trained))
+        assert all(len(r["trained"][s]) <= 4 for r in results)  # two micro-batches of 2 at most
+        if trained:  # the micro-batch the loop was left after counts: the mean is over what was computed
+            reference.zero_grad()
+            x, y = collate([Sequences()[i] for i in trained])
+            token_mean_loss(reference, x, y).backward()
+            for got, want in zip(results[0]["grads"][s], [p.grad for p in reference.parameters()], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 EQUAL = np.full(160, 12)  # equal lengths: a step's split is a count of samples, not a cost grouping
 
 

@@ -204,3 +204,5 @@ def test_the_deadline_counts_from_the_last_reduction_plus_the_usual_gap():
     assert runner._origin_s(plan(100.04)) == 100.04  # never more time than from its own start
     assert runner._origin_s(plan(100.9)) == 100.9  # over half the deadline late: its own start
     assert runner._origin_s(plan(100.3, deadline_s=None)) == 100.3  # waiting for everyone
+    runner._joined_late = True  # its watchdog entered the last reduction: the others went on without it
+    assert runner._origin_s(plan(100.9)) == pytest.approx(100.05)

@@ -77,6 +77,8 @@ from poise.straggler.stale import StaleStash
 
 log = logging.getLogger(__name__)
 
+WATCH_POLL_S = 0.01  # how often a watchdog reads the claims while its rank stalls (a few store round trips)
+
 
 @dataclass
 class StepPlan:
@@ -104,6 +106,9 @@ class StepPlan:
     current: np.ndarray | None = None  # the micro-batch handed out last
     backwards: int = 0  # backward calls of the step (one per micro-batch)
     joined_late: bool = False  # the watchdog entered the reduction for this rank while it stalled
+    stalling: bool = False  # this rank is in an injected delay (its lock released)
+    done: bool = False  # this rank left its micro-batch loop (the watchdog has nothing left to do)
+    wake: threading.Event = field(default_factory=threading.Event)  # set when stalling or done changes
     error: BaseException | None = None  # what the watchdog's reduction raised
 
 
@@ -142,6 +147,8 @@ class DeadlineRunner:
         self.micro_deferred = 0  # of those, not reached in their own step
         self.micro_taken_over = 0  # micro-batches this rank took from other ranks' lists
         self.stale_steps = 0
+        self.late_joins = 0  # reductions the watchdog entered for this rank while it stalled
+        self.early_joins = 0  # of those, before the deadline (every micro-batch claimed)
         # every micro-batch's observed rate (s per cost unit, stalls included) and its compute
         # alone: what the predictors are scored on (poise bench stragglers)
         self.trace: list[tuple[float, float]] = []
@@ -204,8 +211,7 @@ class DeadlineRunner:
         mark = plan.started_s
         limit = plan.deadline_s
         origin = self._origin_s(plan)
-        done = threading.Event()
-        watch = self._watch(plan, origin + limit, done, arm, zero_reduce) if limit is not None else None
+        watch = self._watch(plan, origin + limit, arm, zero_reduce) if limit is not None else None
         self._lock.acquire()
         try:
             self._stall(plan, self.delay.before_step(self.rank, plan.index, self._predict_s(np.concatenate(own))
@@ -262,7 +268,8 @@ class DeadlineRunner:
                 self._join(plan, arm, zero_reduce)
         finally:
             self._lock.release()
-            done.set()
+            plan.done = True
+            plan.wake.set()
             if watch is not None:
                 watch.join()
         if plan.error is not None:
@@ -293,25 +300,53 @@ class DeadlineRunner:
         and backward; see module doc)."""
         if seconds <= 0:
             return
+        plan.stalling = True
+        plan.wake.set()
         self._lock.release()
         try:
             time.sleep(seconds)
         finally:
             self._lock.acquire()
+            plan.stalling = False
         plan.stall_s += seconds
 
-    def _watch(self, plan: StepPlan, at_s: float, done: threading.Event, arm: Callable[[bool], None],
+    def _nothing_left(self, plan: StepPlan, exhausted: set[int]) -> bool:
+        """Whether every list of ``plan`` is claimed to its end (store reads; ``exhausted``:
+        the lists already found so, which stay so)."""
+        for q, micro in enumerate(plan.queues.micro):
+            if q in exhausted or not micro:
+                continue
+            if self.claims.claimed(plan.index, q) < len(micro):
+                return False
+            exhausted.add(q)
+        return True
+
+    def _watch(self, plan: StepPlan, at_s: float, arm: Callable[[bool], None],
                zero_reduce: Callable[[], None]) -> threading.Thread | None:
-        """Start the step's watchdog: at ``at_s`` (perf_counter seconds: the shared deadline) it
-        takes the step's lock (waiting out a forward or backward in progress) and, if this rank
-        has not entered the reduction yet, enters it with what the rank computed so far."""
+        """Start the step's watchdog. It enters the reduction for this rank, with what the rank
+        computed so far, when the rank has not by the shared deadline (``at_s``, perf_counter
+        seconds), or earlier, while the rank stalls, once every micro-batch of the step is
+        claimed (the rank would find nothing to take when it woke; checked every
+        ``WATCH_POLL_S`` seconds of a stall). It takes the step's lock first, so it waits out
+        a forward or backward in progress."""
         if self.world_size == 1:
             return None
         device = self.device
 
         def watch() -> None:
-            if done.wait(max(0.0, at_s - time.perf_counter())):
-                return  # the rank left its micro-batches before the deadline
+            exhausted: set[int] = set()
+            early = False
+            while True:
+                plan.wake.clear()  # cleared before reading the state: a change after it wakes the wait
+                now = time.perf_counter()
+                if plan.done:
+                    return  # the rank left its micro-batches itself
+                if now >= at_s:
+                    break
+                if plan.stalling and self._nothing_left(plan, exhausted):
+                    early = True
+                    break
+                plan.wake.wait(min(WATCH_POLL_S, at_s - now) if plan.stalling else at_s - now)
             with self._lock:
                 if plan.reduced:
                     return
@@ -320,6 +355,8 @@ class DeadlineRunner:
                         torch.cuda.set_device(device)  # the current device is per thread
                     self._join(plan, arm, zero_reduce)
                     plan.joined_late = True
+                    self.late_joins += 1
+                    self.early_joins += early
                 except BaseException as error:  # raised again on the rank's own thread
                     plan.error = error
 
@@ -438,6 +475,7 @@ class DeadlineRunner:
                 "micro_planned": self.micro_planned, "micro_deferred": self.micro_deferred,
                 "micro_taken_over": self.micro_taken_over,
                 "stale_steps": self.stale_steps, "pool_left": len(self.pool),
+                "late_joins": self.late_joins, "early_joins": self.early_joins,
                 "trace": [[round(a, 9), round(b, 9)] for a, b in self.trace]}
 
 

@@ -19,8 +19,9 @@ step that :class:`poise.Session`'s deadline step delegates to it:
    and nobody hangs.
    **The watchdog**: a rank that is not inside a forward or backward at the deadline (in an
    injected delay: a stall between micro-batches, before its first) does not hold the others
-   back: a thread of its own enters the reduction for it at the deadline, with the
-   micro-batches it finished (:meth:`DeadlineRunner._watch`). The rank's thread holds the
+   back: a thread of its own enters the reduction for it, with the micro-batches it
+   finished, at the deadline or, during a stall, once every micro-batch of the step is
+   claimed (:meth:`DeadlineRunner._watch`). The rank's thread holds the
    step's lock except in those delays, so the watchdog never reads a gradient half
    accumulated; a forward or backward that runs past the deadline is waited for. The stalled
    rank steps its optimizer when it wakes and starts the next step late, with what is left

@@ -264,7 +264,6 @@ class DeadlineRunner:
                 mark = now
                 if plan.last:
                     break
-            plan.current = None
             if not plan.reduced:
                 self._join(plan, arm, zero_reduce)
         finally:

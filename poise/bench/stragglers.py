@@ -42,7 +42,17 @@ from typing import Any
 import numpy as np
 
 from poise.bench.balance import loss_at_tokens
-from poise.bench.harness import output_dir, positive_ints, require_positive, run_train_job, save_results, show_table
+from poise.bench.harness import (
+    cpu_trace,
+    cpu_use,
+    output_dir,
+    positive_ints,
+    require_positive,
+    run_train_job,
+    save_results,
+    show_table,
+)
+from poise.diagnostics.timeline import column, load_table
 from poise.straggler.delays import DelayModel
 from poise.straggler.predict import PREDICTORS, evaluate
 
@@ -117,12 +127,28 @@ def time_to_loss(report: dict[str, Any], target: float, window: int = SMOOTH_STE
     return None
 
 
+CPU_TRACE = "cpu.txt"  # per job: the machine's CPU time while it ran (poise.bench.harness.cpu_trace)
+
+
+def _cpu_row(job: Path) -> dict[str, float | None]:
+    """The cores busy over the job's training steps after the first (a share of all cores)
+    and the busy CPU milliseconds per sample trained in them (None without a CPU trace)."""
+    table = load_table(job / "timeline.npz")
+    starts, steps = column(table, "start_time_s")[:, 1:], column(table, "step_s")[:, 1:]
+    use = cpu_use(job / CPU_TRACE, float(starts[:, 0].min()), float((starts + steps)[:, -1].max()))
+    if use is None:
+        return {"cores_busy": None, "cpu_ms_per_sample": None}
+    samples = float(column(table, "samples")[:, 1:].sum())
+    return {"cores_busy": use[0], "cpu_ms_per_sample": 1000 * use[1] / samples if samples else None}
+
+
 def _row(name: str, world: int, model: str, mode: str, seed: int, rep: dict[str, Any], out: Path) -> dict[str, Any]:
     steps = np.asarray(rep["step_s_per_step"][1:])  # the first step builds buckets and warms up
     summaries = [s for s in rep.get("straggler") or [] if s]
     planned = sum(s["micro_planned"] for s in summaries)
     dup, _ = duplicates_per_epoch(out / name)
     return {
+        **_cpu_row(out / name),
         "run": name, "world_size": world, "delay_model": model, "mode": mode, "seed": seed,
         "finished_s": (out / name / "report.json").stat().st_mtime,  # wall clock, for the reference's drift
         "throughput_samples_per_s": rep["throughput_samples_per_s"],
@@ -199,7 +225,9 @@ def run(args: argparse.Namespace) -> int:
                           [*common, "--straggler", MODES[mode], "--delay", MODELS[model]]) for mode in modes]
                 jobs.append((f"w{world}-delay-free-after-{model}-s{seed}", "none", "delay-free", common))
             for name, model, mode, flags in jobs:
-                rows.append(_row(name, world, model, mode, seed, run_train_job(name, out, flags, args.timeout_s), out))
+                with cpu_trace(out / name / CPU_TRACE):
+                    report = run_train_job(name, out, flags, args.timeout_s)
+                rows.append(_row(name, world, model, mode, seed, report, out))
     checks = [] if args.no_epoch_check else _epoch_checks(args, out, models, max(worlds))
     return _tables(out, rows, checks, models)
 
@@ -225,6 +253,14 @@ def _read_back(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return rows, checks
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]], models: list[str]) -> int:
     setup = _setup(rows)  # first: runs of two setups are refused before any work
     _compare(rows)
@@ -239,6 +275,8 @@ def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
             ("world_size", "world", str), ("delay_model", "delays", str), ("mode", "mode", str),
             ("throughput_vs_delay_free", "throughput vs delay-free", lambda v: f"{v:.3f}"),
             ("throughput_pooled_vs_delay_free", "pooled over seeds", lambda v: f"{v:.3f}"),
+            ("cores_busy", "cores busy", _share), ("cores_busy_vs_delay_free", "busy vs delay-free", _ratio),
+            ("cpu_per_sample_vs_delay_free", "CPU/sample vs delay-free", _ratio),
             ("p50_step_s", "p50 step s", lambda v: f"{v:.3f}"), ("p99_step_s", "p99 step s", lambda v: f"{v:.3f}"),
             ("deferred_share", "deferred", lambda v: f"{v:.1%}"),
             ("loss_vs_delay_free", "loss vs delay-free", lambda v: f"{v:+.2%}"),
@@ -298,9 +336,13 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         refs = free[(r["world_size"], r["seed"])]
         ref = refs[0]
         tokens = common[r["world_size"]]
-        reference = np.interp(r["finished_s"], [x["finished_s"] for x in refs],
-                              [x["throughput_samples_per_s"] for x in refs])
-        r["throughput_vs_delay_free"] = r["throughput_samples_per_s"] / float(reference)
+        for key, ratio in (("throughput_samples_per_s", "throughput_vs_delay_free"),
+                           ("cores_busy", "cores_busy_vs_delay_free"),
+                           ("cpu_ms_per_sample", "cpu_per_sample_vs_delay_free")):
+            known = [x for x in refs if x[key] is not None]
+            reference = np.interp(r["finished_s"], [x["finished_s"] for x in known],
+                                  [x[key] for x in known]) if known and r[key] is not None else None
+            r[ratio] = None if reference is None else r[key] / float(reference)
         loss, ref_loss = (loss_at_tokens(x["_report"]["loss_curve"], tokens) for x in (r, ref))
         r["loss_at_common_tokens"] = loss
         r["loss_vs_delay_free"] = loss / ref_loss - 1.0
@@ -309,6 +351,12 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         t, t_ref = time_to_loss(r["_report"], target), time_to_loss(ref["_report"], target)
         r["time_to_loss_s"] = t
         r["time_to_loss_vs_delay_free"] = None if t is None or not t_ref else t / t_ref
+
+
+def _median_known(values: Any) -> float | None:
+    """The median of the values that are not None (None: none is known)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -331,6 +379,8 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "throughput_vs_delay_free": statistics.median(m["throughput_vs_delay_free"] for m in members),
             "throughput_pooled_vs_delay_free": statistics.mean(m["throughput_samples_per_s"] for m in members)
             / free[world],
+            **{key: _median_known(m[key] for m in members)
+               for key in ("cores_busy", "cores_busy_vs_delay_free", "cpu_per_sample_vs_delay_free")},
             "p50_step_s": statistics.median(m["p50_step_s"] for m in members),
             "p99_step_s": statistics.median(m["p99_step_s"] for m in members),
             "deferred_share": statistics.median(m["deferred_share"] for m in members),

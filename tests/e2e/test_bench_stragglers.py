@@ -28,6 +28,7 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
                 "p99_step_s"} <= set(row)
         assert row["samples_duplicated"] == 0
         assert row["throughput_vs_delay_free"] > 0
+        assert 0 < row["cores_busy"] <= 1 and row["cpu_ms_per_sample"] > 0  # from the job's CPU trace
     # the reference: the delay-free runs around the delayed ones, interpolated in time (each its own)
     assert runs["w2-delay-free-s0"]["throughput_vs_delay_free"] == 1.0
     assert runs["w2-delay-free-after-bernoulli-s0"]["throughput_vs_delay_free"] == 1.0

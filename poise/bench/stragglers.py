@@ -17,7 +17,11 @@ Per run: throughput (trained samples/s over the training steps) against the dela
 of the same world size and seed (run first and again after each delay model's runs, and
 interpolated linearly to the time each run ended: this machine's speed moved by up to 17 %
 within one seed's runs, and bracketing every model's few runs cancels a drift that is steady
-over a few minutes, not only over the whole seed), p50 and p99 step time, the
+over a few minutes, not only over the whole seed); the two factors of that throughput,
+each against the delay-free runs the same way: the share of the machine's cores busy over the
+training steps (what the schedule left idle) and the busy CPU time per trained sample (the
+machine's own speed, and any CPU a mode or the delays cost; both from ``/proc/stat``:
+:func:`poise.bench.harness.cpu_trace`); p50 and p99 step time, the
 share of planned micro-batches deferred, training loss at equal real tokens against
 delay-free (mean over seeds), wall time to the delay-free run's loss, and samples trained
 twice within an epoch (from the per-step sample records). Medians over seeds. Then every

@@ -139,7 +139,8 @@ def _cpu_row(job: Path) -> dict[str, float | None]:
     and the busy CPU milliseconds per sample trained in them (None without a CPU trace)."""
     table = load_table(job / "timeline.npz")
     starts, steps = column(table, "start_time_s")[:, 1:], column(table, "step_s")[:, 1:]
-    use = cpu_use(job / CPU_TRACE, float(starts[:, 0].min()), float((starts + steps)[:, -1].max()))
+    use = None if starts.size == 0 else cpu_use(job / CPU_TRACE, float(starts[:, 0].min()),
+                                                float((starts + steps)[:, -1].max()))
     if use is None:
         return {"cores_busy": None, "cpu_ms_per_sample": None}
     samples = float(column(table, "samples")[:, 1:].sum())

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from poise.files import write_json_atomic, write_text_atomic
+from poise.files import write_json_atomic
 from poise.launch.processes import end_tree
 from poise.log import make_console
 
@@ -73,77 +68,6 @@ def run_bounded(cmd: Sequence[str], log_file: Any, timeout_s: float) -> int | No
     except BaseException:
         end_tree(proc)
         raise
-
-
-PROC_STAT = Path("/proc/stat")
-
-
-def _cpu_seconds() -> tuple[float, float]:
-    """The machine's busy and total CPU time since boot, seconds summed over its cores
-    (/proc/stat's first line: busy = user, nice, system, irq, softirq, steal; total adds idle
-    and iowait)."""
-    fields = [int(v) for v in PROC_STAT.read_text().split("\n", 1)[0].split()[1:9]]
-    tick = os.sysconf("SC_CLK_TCK")
-    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6] + fields[7]
-    return busy / tick, (busy + fields[3] + fields[4]) / tick
-
-
-@contextmanager
-def cpu_trace(path: Path, period_s: float = 0.05) -> Iterator[None]:
-    """Sample the machine's CPU time every ``period_s`` seconds while the block runs, then
-    write ``path``: one line ``unix_time_s busy_s total_s`` per sample (:func:`_cpu_seconds`).
-
-    Why: on a machine with fewer cores than workers, a job's throughput is the share of the
-    cores its workers kept busy over the CPU time each sample costs. The first is what
-    scheduling controls (a worker asleep or waiting leaves its core to the others, or idle);
-    the second moves with the machine's own speed (by up to 10 % within minutes here), so a
-    benchmark reports the two apart (:func:`cpu_use`). Nothing is written where /proc/stat
-    does not exist.
-    """
-    if not PROC_STAT.exists():
-        yield
-        return
-    samples: list[tuple[float, float, float]] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while True:
-            samples.append((time.time(), *_cpu_seconds()))
-            if stop.wait(period_s):
-                return
-
-    thread = threading.Thread(target=sample, name="poise-cpu-trace", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        write_text_atomic(path, "".join(f"{t:.4f} {b:.2f} {a:.2f}\n" for t, b, a in samples))
-
-
-def cpu_use(path: Path, start_s: float, end_s: float) -> tuple[float, float] | None:
-    """From a :func:`cpu_trace` file: the share of all cores busy (0..1) and the busy CPU
-    seconds between the first and last samples within ``[start_s, end_s]`` (unix seconds);
-    None without the file or with fewer than two samples in the window.
-
-    Raises:
-        ValueError: the file is not such a trace (one line naming it).
-    """
-    if not path.exists() or not path.read_text().strip():
-        return None
-    try:
-        table = np.loadtxt(path, ndmin=2)
-    except ValueError:
-        table = np.zeros((0, 0))
-    if table.ndim != 2 or table.shape[1] != 3 or not np.all(np.isfinite(table)) \
-            or np.any(np.diff(table, axis=0) < 0):
-        raise ValueError(f"{path} is not a CPU trace (lines of 'unix_time_s busy_s total_s', non-decreasing)")
-    inside = table[(table[:, 0] >= start_s) & (table[:, 0] <= end_s)]
-    if len(inside) < 2:
-        return None
-    busy, total = inside[-1, 1:] - inside[0, 1:]
-    return (float(busy / total) if total > 0 else 0.0), float(busy)
 
 
 def show_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> None:

@@ -21,7 +21,7 @@ over a few minutes, not only over the whole seed); the two factors of that throu
 each against the delay-free runs the same way: the share of the machine's cores busy over the
 training steps (what the schedule left idle) and the busy CPU time per trained sample (the
 machine's own speed, and any CPU a mode or the delays cost; both from ``/proc/stat``:
-:func:`poise.bench.harness.cpu_trace`); p50 and p99 step time, the
+:func:`poise.bench.cpu.cpu_trace`); p50 and p99 step time, the
 share of planned micro-batches deferred, training loss at equal real tokens against
 delay-free (mean over seeds), wall time to the delay-free run's loss, and samples trained
 twice within an epoch (from the per-step sample records). Medians over seeds. Then every
@@ -46,16 +46,8 @@ from typing import Any
 import numpy as np
 
 from poise.bench.balance import loss_at_tokens
-from poise.bench.harness import (
-    cpu_trace,
-    cpu_use,
-    output_dir,
-    positive_ints,
-    require_positive,
-    run_train_job,
-    save_results,
-    show_table,
-)
+from poise.bench.cpu import cpu_trace, cpu_use
+from poise.bench.harness import output_dir, positive_ints, require_positive, run_train_job, save_results, show_table
 from poise.diagnostics.timeline import column, load_table
 from poise.straggler.delays import DelayModel
 from poise.straggler.predict import PREDICTORS, evaluate
@@ -131,7 +123,7 @@ def time_to_loss(report: dict[str, Any], target: float, window: int = SMOOTH_STE
     return None
 
 
-CPU_TRACE = "cpu.txt"  # per job: the machine's CPU time while it ran (poise.bench.harness.cpu_trace)
+CPU_TRACE = "cpu.txt"  # per job: the machine's CPU time while it ran (poise.bench.cpu.cpu_trace)
 
 
 def _cpu_row(job: Path) -> dict[str, float | None]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from poise.bench.harness import PROC_STAT, cpu_trace, cpu_use
+from poise.bench.cpu import PROC_STAT, cpu_trace, cpu_use
 from poise.bench.stragglers import _compare, _setup, _summary
 
 

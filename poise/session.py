@@ -256,6 +256,7 @@ class Session:
         self._lag = 0 if isinstance(self.clock, HostClock) else 1  # CUDA: read a step's events one step later
         self._active: Step | None = None
         self._last_exit_s: float | None = None
+        self._last_exit_cpu_s: float | None = None  # time.process_time() then: a step's CPU counts from there
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -417,12 +418,13 @@ class Session:
     def _close_step(self, marks: StepMarks) -> None:
         self._active = None
         self._last_exit_s = time.perf_counter()
+        self._last_exit_cpu_s = time.process_time()
         self._pending.append(marks)
         self.steps_done += 1
         while len(self._pending) > self._lag:
             self._take(self._pending.popleft())
         if self.comm_state.between_steps():  # auto's dry run: no step's seconds
-            self._last_exit_s = time.perf_counter()
+            self._last_exit_s, self._last_exit_cpu_s = time.perf_counter(), time.process_time()
         if self.partitioner is not None and self.partitioner.due(self.steps_done - len(self._pending)):
             if self.total_steps is None or self.steps_done < self.total_steps * self.accum_steps:
                 self.partitioner.replan(self.steps_done)

@@ -43,6 +43,7 @@ class Step:
         self.loss: torch.Tensor | None = None
         self._no_sync: Any = None
         self._marks: StepMarks | None = None
+        self._cpu_from = self._thread_cpu_from = 0.0  # process and thread CPU seconds where the step began
 
     @property
     def backward_done(self) -> bool:
@@ -60,6 +61,9 @@ class Step:
             # DDP's no_sync must cover the forward too: it arms (or not) the reduction there.
             self._no_sync = s.model.no_sync()
             self._no_sync.__enter__()
+        # CPU since the previous step ended (its data loading included), or from here for the first
+        self._cpu_from = s._last_exit_cpu_s if s._last_exit_cpu_s is not None else time.process_time()
+        self._thread_cpu_from = time.thread_time()
         lengths = s.lengths[self.indices]
         self._marks = StepMarks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=s.clock.mark(),
                              indices=self.indices, samples=len(lengths), tokens=int(lengths.sum()),
@@ -90,6 +94,7 @@ class Step:
         else:
             run(weighted)
         m.backward_end = s.clock.mark()
+        m.compute_cpu_s = time.thread_time() - self._thread_cpu_from  # the forward since the step opened, and backward
         m.ready = s.probe.last_ready
         m.in_flight = list(s.probe.in_flight)
         self.loss = loss.detach()
@@ -112,6 +117,7 @@ class Step:
                     if s.probe.buckets_this_step else "no backward ran")
             raise ValueError(f"step {self.index} ended without step.backward(loss): {what}")
         m.end = s.clock.mark()
+        m.cpu_s = time.process_time() - self._cpu_from
         stats, inter = s.comm_state.step_stats(), s.comm_state.inter_node_stats()
         m.loss, m.skipped = self.loss, self.skipped
         m.raw_bytes, m.wire_bytes = stats.raw_bytes, stats.wire_bytes
@@ -244,6 +250,7 @@ class DeadlineStep(Step):
         m.indices, m.samples, m.tokens = self.trained, len(lengths), int(lengths.sum())
         m.padded_tokens = int(len(lengths) * lengths.max()) if len(lengths) else 0
         self.loss = self._loss_sum / self._terms if self._loss_sum is not None and self._terms else None
+        m.compute_cpu_s = self.plan.compute_cpu_s
         self.skipped = self.skipped or self.empty
         super().end()
 

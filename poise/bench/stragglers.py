@@ -21,7 +21,11 @@ over a few minutes, not only over the whole seed); the two factors of that throu
 each against the delay-free runs the same way: the share of the machine's cores busy over the
 training steps (what the schedule left idle) and the busy CPU time per trained sample (the
 machine's own speed, and any CPU a mode or the delays cost; both from ``/proc/stat``:
-:func:`poise.bench.cpu.cpu_trace`); p50 and p99 step time, the
+:func:`poise.bench.cpu.cpu_trace`); and, from the ranks' own timelines (drift moves neither
+much), the share of their processes' CPU spent outside forward and backward (what a mode's
+machinery costs) and their compute CPU per sample against delay-free (the machine's speed and
+the micro-batches' shapes: the delay-free run computes each rank's batch at once, the other
+modes in micro-batches, whose padding to their own longest sample is shorter); p50 and p99 step time, the
 share of planned micro-batches deferred, training loss at equal real tokens against
 delay-free (mean over seeds), wall time to the delay-free run's loss, and samples trained
 twice within an epoch (from the per-step sample records). Medians over seeds. Then every
@@ -127,16 +131,30 @@ CPU_TRACE = "cpu.txt"  # per job: the machine's CPU time while it ran (poise.ben
 
 
 def _cpu_row(job: Path) -> dict[str, float | None]:
-    """The cores busy over the job's training steps after the first (a share of all cores)
-    and the busy CPU milliseconds per sample trained in them (None without a CPU trace)."""
+    """CPU figures over the job's training steps after the first (None where not measured):
+
+    - ``cores_busy``: the share of all the machine's cores busy (its CPU trace);
+    - ``cpu_ms_per_sample``: the machine's busy CPU milliseconds per sample trained;
+    - ``compute_cpu_ms_per_sample``: the ranks' training threads' CPU milliseconds in forward
+      and backward per sample (the timeline's ``compute_cpu_s``): the model's own cost, which
+      moves with the machine's speed and the micro-batches' shapes, not with scheduling;
+    - ``cpu_outside_compute``: the share of the ranks' processes' CPU (``cpu_s``) spent
+      outside forward and backward: data, optimizer, communication threads, the deadline
+      machinery (claims, watchdog, count all-reduce)."""
     table = load_table(job / "timeline.npz")
     starts, steps = column(table, "start_time_s")[:, 1:], column(table, "step_s")[:, 1:]
+    samples = float(column(table, "samples")[:, 1:].sum())
+    cpu, compute = (float(column(table, name)[:, 1:].sum()) for name in ("cpu_s", "compute_cpu_s"))
+    measured = samples > 0 and np.isfinite(cpu) and np.isfinite(compute) and cpu > 0
+    row: dict[str, float | None] = {
+        "compute_cpu_ms_per_sample": 1000 * compute / samples if measured else None,
+        "cpu_outside_compute": 1.0 - compute / cpu if measured else None,
+    }
     use = None if starts.size == 0 else cpu_use(job / CPU_TRACE, float(starts[:, 0].min()),
                                                 float((starts + steps)[:, -1].max()))
     if use is None:
-        return {"cores_busy": None, "cpu_ms_per_sample": None}
-    samples = float(column(table, "samples")[:, 1:].sum())
-    return {"cores_busy": use[0], "cpu_ms_per_sample": 1000 * use[1] / samples if samples else None}
+        return {**row, "cores_busy": None, "cpu_ms_per_sample": None}
+    return {**row, "cores_busy": use[0], "cpu_ms_per_sample": 1000 * use[1] / samples if samples else None}
 
 
 def _row(name: str, world: int, model: str, mode: str, seed: int, rep: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -274,6 +292,8 @@ def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
             ("throughput_pooled_vs_delay_free", "pooled over seeds", lambda v: f"{v:.3f}"),
             ("cores_busy", "cores busy", _share), ("cores_busy_vs_delay_free", "busy vs delay-free", _ratio),
             ("cpu_per_sample_vs_delay_free", "CPU/sample vs delay-free", _ratio),
+            ("compute_cpu_per_sample_vs_delay_free", "compute CPU/sample vs delay-free", _ratio),
+            ("cpu_outside_compute", "ranks' CPU outside compute", _share),
             ("p50_step_s", "p50 step s", lambda v: f"{v:.3f}"), ("p99_step_s", "p99 step s", lambda v: f"{v:.3f}"),
             ("deferred_share", "deferred", lambda v: f"{v:.1%}"),
             ("loss_vs_delay_free", "loss vs delay-free", lambda v: f"{v:+.2%}"),
@@ -335,7 +355,8 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         tokens = common[r["world_size"]]
         for key, ratio in (("throughput_samples_per_s", "throughput_vs_delay_free"),
                            ("cores_busy", "cores_busy_vs_delay_free"),
-                           ("cpu_ms_per_sample", "cpu_per_sample_vs_delay_free")):
+                           ("cpu_ms_per_sample", "cpu_per_sample_vs_delay_free"),
+                           ("compute_cpu_ms_per_sample", "compute_cpu_per_sample_vs_delay_free")):
             known = [x for x in refs if x[key] is not None]
             reference = np.interp(r["finished_s"], [x["finished_s"] for x in known],
                                   [x[key] for x in known]) if known and r[key] is not None else None
@@ -377,7 +398,8 @@ def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "throughput_pooled_vs_delay_free": statistics.mean(m["throughput_samples_per_s"] for m in members)
             / free[world],
             **{key: _median_known(m[key] for m in members)
-               for key in ("cores_busy", "cores_busy_vs_delay_free", "cpu_per_sample_vs_delay_free")},
+               for key in ("cores_busy", "cores_busy_vs_delay_free", "cpu_per_sample_vs_delay_free",
+                           "compute_cpu_per_sample_vs_delay_free", "cpu_outside_compute")},
             "p50_step_s": statistics.median(m["p50_step_s"] for m in members),
             "p99_step_s": statistics.median(m["p99_step_s"] for m in members),
             "deferred_share": statistics.median(m["deferred_share"] for m in members),

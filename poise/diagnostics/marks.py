@@ -46,6 +46,8 @@ class StepMarks:
     inter_node_raw_bytes: int = 0
     inter_node_wire_bytes: int = 0
     codec_s: float = 0.0
+    cpu_s: float = float("nan")  # CPU seconds of the rank's process in the step (StepRecord.cpu_s)
+    compute_cpu_s: float = float("nan")  # ... of its training thread in forward and backward
 
     def record(self, clock: Any) -> StepRecord:
         """The step's :class:`StepRecord` (seconds); reads the marks (waits for CUDA events)."""
@@ -64,5 +66,5 @@ class StepMarks:
             loss=float(self.loss) if self.loss is not None else float("nan"),
             raw_bytes=self.raw_bytes, wire_bytes=self.wire_bytes, inter_node_raw_bytes=self.inter_node_raw_bytes,
             inter_node_wire_bytes=self.inter_node_wire_bytes, codec_s=self.codec_s, comm_busy_s=busy,
-            comm_hidden_s=hidden, skipped=int(self.skipped),
+            comm_hidden_s=hidden, skipped=int(self.skipped), cpu_s=self.cpu_s, compute_cpu_s=self.compute_cpu_s,
         )

@@ -63,6 +63,9 @@ class StepRecord:
     comm_busy_s: float  # seconds at least one gradient bucket was being reduced
     comm_hidden_s: float  # the part of comm_busy_s that overlapped this rank's backward compute
     skipped: int  # 1 when the optimizer step was skipped (non-finite gradients)
+    # CPU seconds (NaN: not measured, e.g. a timeline written before they were recorded)
+    cpu_s: float = float("nan")  # this rank's process, from the previous step's end to this one's (all threads)
+    compute_cpu_s: float = float("nan")  # its training thread inside forward and backward
 
     @property
     def compute_s(self) -> float:
@@ -71,6 +74,8 @@ class StepRecord:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+# fields a timeline written by an earlier poise may lack: they load as NaN (not measured)
+OPTIONAL_FIELDS = ("cpu_s", "compute_cpu_s")
 
 
 class Timeline:
@@ -175,10 +180,11 @@ def load_table(path: str | Path) -> np.ndarray:
     if table.ndim != 3 or table.shape[2] != len(names):
         raise TimelineFileError(f"{path}: table of shape {list(table.shape)} does not match its {len(names)} "
                                 "field names (expected [ranks, steps, fields])")
-    missing = [f for f in FIELDS if f not in names]
+    missing = [f for f in FIELDS if f not in names and f not in OPTIONAL_FIELDS]
     if missing:
         raise TimelineFileError(f"{path}: fields {', '.join(missing)} are missing (written by another poise version?)")
-    table = table[:, :, [names.index(f) for f in FIELDS]]
+    table = np.concatenate([table, np.full((*table.shape[:2], 1), np.nan)], axis=2)  # the optional ones' NaN
+    table = table[:, :, [names.index(f) if f in names else len(names) for f in FIELDS]]
     if table.shape[0] == 0 or table.shape[1] == 0:
         raise TimelineFileError(f"{path}: no steps recorded ({table.shape[0]} ranks, {table.shape[1]} steps)")
     durations = [FIELDS.index(f) for f in ("data_s", "forward_s", "backward_s", "comm_wait_s", "optim_s", "step_s")]

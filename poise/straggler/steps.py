@@ -104,6 +104,7 @@ class StepPlan:
     work: Any = None
     vector: torch.Tensor | None = None
     stall_s: float = 0.0  # delays injected on this rank in this step
+    compute_cpu_s: float = 0.0  # CPU seconds of this rank's thread in its micro-batches' forward and backward
     current: np.ndarray | None = None  # the micro-batch handed out last
     backwards: int = 0  # backward calls of the step (one per micro-batch)
     joined_late: bool = False  # the watchdog entered the reduction for this rank while it stalled
@@ -241,13 +242,15 @@ class DeadlineRunner:
                 arm(plan.last)
                 plan.current = indices
                 batch = load(indices)
-                began = time.perf_counter()
+                began, began_cpu = time.perf_counter(), time.thread_time()
                 try:
                     yield batch
                 except GeneratorExit:  # the caller left its loop: count what its backward added
                     if plan.backwards == plan.computed + 1:
                         self._computed(plan, indices)
                     raise
+                finally:
+                    plan.compute_cpu_s += time.thread_time() - began_cpu
                 if plan.backwards != plan.computed + 1:
                     raise ValueError(f"step {plan.index}: micro-batch {plan.computed} was handed out but no "
                                      "step.backward(loss) ran for it: one backward per micro-batch")

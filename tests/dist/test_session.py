@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import poise
 from poise.balance import make_sampler
+from poise.diagnostics.timeline import column, load_table
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -127,6 +128,10 @@ def test_finish_writes_the_report_trace_and_plot_of_every_rank(tmp_path: Path):
         assert np.isfinite(report[key])
     assert [r["rank"] for r in report["per_rank"]] == [0, 1]
     assert all(r["median_compute_s"] > 0 for r in report["per_rank"])
+    # each step's CPU: the rank's process since the last step ended covers its thread's forward and backward
+    table = load_table(tmp_path / "timeline.npz")
+    cpu, compute = column(table, "cpu_s"), column(table, "compute_cpu_s")
+    assert np.all(compute > 0) and np.all(cpu >= compute - 0.002)
     # the codec's hook saw the gradients: fp16 halves the bytes
     assert report["comm_raw_bytes_per_step"] > 0
     assert report["compression_ratio"] == pytest.approx(2.0, rel=0.05)

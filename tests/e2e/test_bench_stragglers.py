@@ -29,6 +29,8 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
         assert row["samples_duplicated"] == 0
         assert row["throughput_vs_delay_free"] > 0
         assert 0 < row["cores_busy"] <= 1 and row["cpu_ms_per_sample"] > 0  # from the job's CPU trace
+        # from the ranks' timelines: their compute, and what their processes spent besides
+        assert row["compute_cpu_ms_per_sample"] > 0 and 0 < row["cpu_outside_compute"] < 0.5
     # the reference: the delay-free runs around the delayed ones, interpolated in time (each its own)
     assert runs["w2-delay-free-s0"]["throughput_vs_delay_free"] == 1.0
     assert runs["w2-delay-free-after-bernoulli-s0"]["throughput_vs_delay_free"] == 1.0

@@ -5,19 +5,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from poise.bench.cpu import PROC_STAT, cpu_trace, cpu_use
-from poise.bench.stragglers import _compare, _setup, _summary
+from poise.bench.stragglers import _compare, _cpu_row, _setup, _summary
+from poise.diagnostics.timeline import FIELDS, save_table
 
 
 def _row(name: str, mode: str, finished_s: float, samples_per_s: float, seed: int = 0, micro: int = 8,
-         busy: float | None = None, cpu_ms: float | None = None) -> dict:
+         busy: float | None = None, cpu_ms: float | None = None, compute_ms: float | None = None) -> dict:
     curve = [[1000.0 * (i + 1), 3.0 - 0.1 * i] for i in range(12)]
     config = {"train": {"steps": 12, "batch_size": 64}, "straggler": {"micro_batches": micro}}
     return {"run": name, "world_size": 4, "delay_model": "none" if mode == "delay-free" else "lognormal",
             "mode": mode, "seed": seed, "finished_s": finished_s, "throughput_samples_per_s": samples_per_s,
-            "cores_busy": busy, "cpu_ms_per_sample": cpu_ms, "p50_step_s": 1.0, "p99_step_s": 1.0,
+            "cores_busy": busy, "cpu_ms_per_sample": cpu_ms, "compute_cpu_ms_per_sample": compute_ms,
+            "cpu_outside_compute": None if compute_ms is None else 0.02, "p50_step_s": 1.0, "p99_step_s": 1.0,
             "deferred_share": 0.0, "samples_duplicated": 0,
             "tokens": curve[-1][0], "_report": {"loss_curve": curve, "step_s_per_step": [1.0] * 12, "config": config}}
 
@@ -65,18 +68,41 @@ def test_the_tables_describe_the_runs_they_read_not_the_flags_of_the_call():
 def test_the_cores_busy_and_the_cpu_per_sample_are_read_against_the_delay_free_runs_around_each_run():
     # throughput = cores busy / CPU time per sample: a run that left 4 % of the cores idle on a
     # machine that got 10 % slower meanwhile shows both, apart; a run without a CPU trace has none
-    rows = [_row("free0", "delay-free", 0.0, 100.0, busy=0.99, cpu_ms=16.0),
-            _row("run", "deadline", 5.0, 82.0, busy=0.95, cpu_ms=17.6),
-            _row("free1", "delay-free", 10.0, 90.0, busy=0.99, cpu_ms=19.2),
+    rows = [_row("free0", "delay-free", 0.0, 100.0, busy=0.99, cpu_ms=16.0, compute_ms=15.0),
+            _row("run", "deadline", 5.0, 82.0, busy=0.95, cpu_ms=17.6, compute_ms=15.3),
+            _row("free1", "delay-free", 10.0, 90.0, busy=0.99, cpu_ms=19.2, compute_ms=18.0),
             _row("blind", "deadline", 5.0, 95.0, seed=1), _row("free2", "delay-free", 0.0, 100.0, seed=1)]
     _compare(rows)
     by = {r["run"]: r for r in rows}
     assert by["run"]["cores_busy_vs_delay_free"] == pytest.approx(0.95 / 0.99)
     assert by["run"]["cpu_per_sample_vs_delay_free"] == pytest.approx(1.0)
+    assert by["run"]["compute_cpu_per_sample_vs_delay_free"] == pytest.approx(15.3 / 16.5)
     assert by["blind"]["cores_busy_vs_delay_free"] is None and by["blind"]["cpu_per_sample_vs_delay_free"] is None
     summary = {r["mode"]: r for r in _summary(rows)}
     assert summary["deadline"]["cores_busy"] == pytest.approx(0.95)  # the median of the runs that have one
     assert summary["deadline"]["cores_busy_vs_delay_free"] == pytest.approx(0.95 / 0.99)
+    assert summary["deadline"]["cpu_outside_compute"] == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_the_ranks_compute_cpu_and_the_share_outside_it_come_from_their_timeline(tmp_path: Path, measured: bool):
+    # steps after the first: 2 ranks x 3 steps of 8 samples, 0.1 s of CPU each, 0.09 s in compute
+    table = np.zeros((2, 4, len(FIELDS)))
+    table[:, :, FIELDS.index("start_time_s")] = np.arange(4) + 100.0
+    table[:, :, FIELDS.index("step_s")] = 1.0
+    table[:, :, FIELDS.index("samples")] = 8
+    table[:, :, FIELDS.index("cpu_s")] = [[5.0, 0.1, 0.1, 0.1]] * 2  # the first step's set-up does not count
+    table[:, :, FIELDS.index("compute_cpu_s")] = [[1.0, 0.09, 0.09, 0.09]] * 2
+    if not measured:  # a timeline of an earlier poise: no CPU fields
+        table[:, :, FIELDS.index("cpu_s")] = table[:, :, FIELDS.index("compute_cpu_s")] = np.nan
+    save_table(table, tmp_path / "timeline.npz")
+    row = _cpu_row(tmp_path)
+    if measured:
+        assert row["compute_cpu_ms_per_sample"] == pytest.approx(1000 * 0.09 / 8)
+        assert row["cpu_outside_compute"] == pytest.approx(0.1)
+    else:
+        assert row["compute_cpu_ms_per_sample"] is None and row["cpu_outside_compute"] is None
+    assert row["cores_busy"] is None  # no CPU trace of the machine in this job's directory
 
 
 def test_cpu_use_reads_the_samples_inside_the_window(tmp_path: Path):

@@ -11,7 +11,7 @@ import pytest
 
 from poise.diagnostics import rules
 from poise.diagnostics.run import RunData, load_run
-from poise.diagnostics.timeline import FIELDS, TimelineFileError, load_table, save_table
+from poise.diagnostics.timeline import FIELDS, OPTIONAL_FIELDS, TimelineFileError, column, load_table, save_table
 
 RNG_SEED = 0
 
@@ -145,6 +145,17 @@ def test_timeline_file_round_trip_and_field_order(tmp_path):
     shuffled = np.concatenate([table[:, :, [FIELDS.index(f) for f in reversed(FIELDS)]], table[:, :, :1]], axis=2)
     np.savez(tmp_path / "other.npz", table=shuffled, fields=np.array(order), format=np.array("poise-timeline-1"))
     assert np.array_equal(load_table(tmp_path / "other.npz"), table)
+
+
+def test_a_timeline_written_before_the_cpu_fields_loads_them_as_not_measured(tmp_path):
+    table = make_table()
+    old = [f for f in FIELDS if f not in OPTIONAL_FIELDS]
+    np.savez(tmp_path / "old.npz", table=table[:, :, [FIELDS.index(f) for f in old]], fields=np.array(old),
+             format=np.array("poise-timeline-1"))
+    loaded = load_table(tmp_path / "old.npz")
+    assert loaded.shape == table.shape
+    assert np.isnan(column(loaded, "cpu_s")).all() and np.isnan(column(loaded, "compute_cpu_s")).all()
+    assert np.array_equal(column(loaded, "step_s"), column(table, "step_s"))
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -9,7 +9,8 @@ machine's 2 cores), for each world size, delay model and seed, side by side:
 - ``deadline+stale``: the same, a rank that computed nothing sends its previous gradient.
 
 Every delay model is at "20 %": its mean inflation of a rank's compute is 0.2 (the table's
-title defines each). Delays are sleeps (see ``poise/straggler/delays.py``): a delayed rank gives
+title defines each). ``--models none`` runs the modes without delays: what a mode costs or
+saves by itself against the delay-free run. Delays are sleeps (see ``poise/straggler/delays.py``): a delayed rank gives
 its core away, which at 4 workers on 2 cores lets the others run faster meanwhile; at 2
 workers each has its own core and a delay is time lost.
 
@@ -21,11 +22,12 @@ over a few minutes, not only over the whole seed); the two factors of that throu
 each against the delay-free runs the same way: the share of the machine's cores busy over the
 training steps (what the schedule left idle) and the busy CPU time per trained sample (the
 machine's own speed, and any CPU a mode or the delays cost; both from ``/proc/stat``:
-:func:`poise.bench.cpu.cpu_trace`); and, from the ranks' own timelines (drift moves neither
-much), the share of their processes' CPU spent outside forward and backward (what a mode's
-machinery costs) and their compute CPU per sample against delay-free (the machine's speed and
-the micro-batches' shapes: the delay-free run computes each rank's batch at once, the other
-modes in micro-batches, whose padding to their own longest sample is shorter); p50 and p99 step time, the
+:func:`poise.bench.cpu.cpu_trace`); and, from the ranks' own timelines, the share of their
+processes' CPU spent outside forward and backward (what a mode's machinery costs; a share
+within one run, so the machine's speed hardly moves it) and their compute CPU per sample
+against delay-free (the machine's speed, and the micro-batches' shapes: the delay-free run
+computes each rank's batch at once, the other modes in micro-batches, padded only to their own
+longest sample); p50 and p99 step time, the
 share of planned micro-batches deferred, training loss at equal real tokens against
 delay-free (mean over seeds), wall time to the delay-free run's loss, and samples trained
 twice within an epoch (from the per-step sample records). Medians over seeds. Then every
@@ -64,12 +66,16 @@ MODELS = {
     "pareto": "pareto:mean=0.2,alpha=2.5",
     "slow-rank": "slow:rank=1,x=0.2",
 }
+# --models: the delay models, and none: each mode without delays, against the delay-free run
+# (plain steps of whole batches): what the mode costs or saves by itself (micro-batches, machinery)
+CHOICES = {"none": "none", **MODELS}
 MODES = {"ddp": "off", "deadline": "deadline", "deadline+stale": "deadline+stale"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"delay models among {', '.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"delay models among {', '.join(MODELS)}, or none (each mode without delays)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"modes among {', '.join(MODES)}")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
     parser.add_argument("--steps", type=int, default=40, help="steps per run")
@@ -200,7 +206,7 @@ def _epoch_checks(args: argparse.Namespace, out: Path, models: list[str], world:
         name = f"epoch-w{world}-{model}"
         run_train_job(name, out, ["--task", "digits", "--nproc", str(world), "--epochs", "1", "--batch-size", "16",
                                   "--dist.threads_per_worker", "1", "--straggler", "deadline", "--delay",
-                                  MODELS[model], "--diagnostics.record_samples", "true", *args.train_args],
+                                  CHOICES[model], "--diagnostics.record_samples", "true", *args.train_args],
                       args.timeout_s)
         checks.append(_epoch_check(out, name, model))
     return checks
@@ -218,7 +224,7 @@ def _epoch_check(out: Path, name: str, model: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     require_positive(args, "seeds", "steps", "batch_size", "micro_batches", "timeout_s")
     worlds = positive_ints(args.worlds, "--worlds")
-    models = _choices(args.models, MODELS, "--models")
+    models = _choices(args.models, CHOICES, "--models")
     modes = _choices(args.modes, MODES, "--modes")
     if args.from_dir:
         out = Path(args.from_dir)
@@ -237,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
             jobs = [(f"w{world}-delay-free-s{seed}", "none", "delay-free", common)]
             for model in models:
                 jobs += [(f"w{world}-{model}-{mode}-s{seed}", model, mode,
-                          [*common, "--straggler", MODES[mode], "--delay", MODELS[model]]) for mode in modes]
+                          [*common, "--straggler", MODES[mode], "--delay", CHOICES[model]])
+                         for mode in modes]
                 jobs.append((f"w{world}-delay-free-after-{model}-s{seed}", "none", "delay-free", common))
             for name, model, mode, flags in jobs:
                 with cpu_trace(out / name / CPU_TRACE):
@@ -260,7 +267,7 @@ def _read_back(out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         if rest.startswith("delay-free"):
             model, mode = "none", "delay-free"
         else:
-            model = next(m for m in MODELS if rest.startswith(m + "-"))
+            model = next(m for m in CHOICES if rest.startswith(m + "-"))
             mode = rest[len(model) + 1:]
         rows.append(_row(name, int(world), model, mode, int(seed), json.loads(report.read_text()), out))
     if not rows:
@@ -284,7 +291,8 @@ def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
         f"poise bench stragglers: code-lm d128x2 (256 bytes), {setup['steps']} steps, batch {setup['batch_size']}/rank "
         f"in {setup['micro_batches']} micro-batches, 1 thread per worker on this machine's cores, medians over "
         f"{setup['seeds']} seed(s). Delays (each a 20% mean inflation): " + "; ".join(
-            f"{m} = {DelayModel.parse(MODELS[m]).describe()}" for m in models),
+            f"{m} = " + (DelayModel.parse(MODELS[m]).describe() if m in MODELS else "no delays (the mode's own cost)")
+            for m in models),
         table,
         [
             ("world_size", "world", str), ("delay_model", "delays", str), ("mode", "mode", str),
@@ -316,7 +324,7 @@ def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
     for r in rows:
         r.pop("_report")
     save_results(out, "stragglers", {**setup,
-                                     "models": {m: MODELS[m] for m in models},
+                                     "models": {m: CHOICES[m] for m in models},
                                      "runs": rows, "summary": table, "predictors": scores, "epoch_checks": checks})
     return 0
 

@@ -44,6 +44,26 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
     assert {p["delay_model"] for p in data["predictors"]} == {"bernoulli"}
 
 
+@pytest.mark.timeout(200)
+def test_the_modes_without_delays_are_measured_against_the_delay_free_run(tmp_path):
+    # --models none: deadline steps with nothing to tolerate, what the mode costs or saves by itself
+    proc = run_poise("bench", "stragglers", "--worlds", "2", "--models", "none", "--modes", "deadline", "--seeds", "1",
+                     "--steps", "6", "--batch-size", "16", "--no-epoch-check", "--out", str(tmp_path), timeout_s=190)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "none = no delays" in proc.stdout
+    data = json.loads((tmp_path / "stragglers.json").read_text())
+    assert data["models"] == {"none": "none"}
+    row = next(r for r in data["runs"] if r["run"] == "w2-none-deadline-s0")
+    assert (row["delay_model"], row["mode"], row["samples_duplicated"]) == ("none", "deadline", 0)
+    assert row["throughput_vs_delay_free"] > 0 and row["compute_cpu_ms_per_sample"] > 0
+    # the tables recomputed from the directory read the run back as the same model and mode
+    again = run_poise("bench", "stragglers", "--from", str(tmp_path), timeout_s=60)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows = json.loads((tmp_path / "stragglers.json").read_text())["runs"]
+    assert {(r["run"], r["delay_model"], r["mode"]) for r in rows} == {(r["run"], r["delay_model"], r["mode"])
+                                                                       for r in data["runs"]}
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--straggler", "sometimes"], "straggler.mode='sometimes' is unknown: allowed are off, deadline, deadline+stale"),
     (["--delay", "bernoulli:p=3"], "straggler.delay 'bernoulli:p=3': p must be in [0, 1] and x in [0, 100]"),

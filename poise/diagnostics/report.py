@@ -83,6 +83,10 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         entry["samples_per_s"] = float(column(one, "samples").sum() / column(one, "step_s").sum())
         entry["tokens_per_s"] = float(column(one, "tokens").sum() / column(one, "step_s").sum())
         entry["tokens_per_compute_s"] = float(column(one, "tokens").sum() / column(one, "compute_s").sum())
+        # CPUs the rank's process kept busy over its steps, all its threads (1.0: one core's worth; on
+        # a machine with fewer cores than ranks x threads, below 1 each); None where not measured
+        cpus = float(column(one, "cpu_s").sum() / column(one, "step_s").sum())
+        entry["cpus_busy"] = cpus if np.isfinite(cpus) else None
         per_rank.append(entry)
     ideal = sum(r["tokens_per_compute_s"] for r in per_rank)
     raw, wire = column(steady, "raw_bytes"), column(steady, "wire_bytes")

@@ -10,9 +10,10 @@ machine's 2 cores), for each world size, delay model and seed, side by side:
 
 Every delay model is at "20 %": its mean inflation of a rank's compute is 0.2 (the table's
 title defines each). ``--models none`` runs the modes without delays: what a mode costs or
-saves by itself against the delay-free run. Delays are sleeps (see ``poise/straggler/delays.py``): a delayed rank gives
-its core away, which at 4 workers on 2 cores lets the others run faster meanwhile; at 2
-workers each has its own core and a delay is time lost.
+saves by itself against the delay-free run. Delays are sleeps (see
+``poise/straggler/delays.py``): a delayed rank gives its core away, which at 4 workers on 2
+cores lets the others run faster meanwhile; at 2 workers each has its own core and a delay is
+time lost.
 
 Per run: throughput (trained samples/s over the training steps) against the delay-free run
 of the same world size and seed (run first and again after each delay model's runs, and

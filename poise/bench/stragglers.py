@@ -292,8 +292,7 @@ def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
         f"poise bench stragglers: code-lm d128x2 (256 bytes), {setup['steps']} steps, batch {setup['batch_size']}/rank "
         f"in {setup['micro_batches']} micro-batches, 1 thread per worker on this machine's cores, medians over "
         f"{setup['seeds']} seed(s). Delays (each a 20% mean inflation): " + "; ".join(
-            f"{m} = " + (DelayModel.parse(MODELS[m]).describe() if m in MODELS else "no delays (the mode's own cost)")
-            for m in models),
+            f"{m} = {DelayModel.parse(CHOICES[m]).describe()}" for m in models),
         table,
         [
             ("world_size", "world", str), ("delay_model", "delays", str), ("mode", "mode", str),

@@ -183,8 +183,11 @@ def load_table(path: str | Path) -> np.ndarray:
     missing = [f for f in FIELDS if f not in names and f not in OPTIONAL_FIELDS]
     if missing:
         raise TimelineFileError(f"{path}: fields {', '.join(missing)} are missing (written by another poise version?)")
-    table = np.concatenate([table, np.full((*table.shape[:2], 1), np.nan)], axis=2)  # the optional ones' NaN
-    table = table[:, :, [names.index(f) if f in names else len(names) for f in FIELDS]]
+    absent = [f for f in OPTIONAL_FIELDS if f not in names]
+    if absent:  # not measured by the poise that wrote the file
+        table = np.concatenate([table, np.full((*table.shape[:2], len(absent)), np.nan)], axis=2)
+        names = [*names, *absent]
+    table = table[:, :, [names.index(f) for f in FIELDS]]
     if table.shape[0] == 0 or table.shape[1] == 0:
         raise TimelineFileError(f"{path}: no steps recorded ({table.shape[0]} ranks, {table.shape[1]} steps)")
     durations = [FIELDS.index(f) for f in ("data_s", "forward_s", "backward_s", "comm_wait_s", "optim_s", "step_s")]

@@ -124,7 +124,7 @@ class DelayModel:
                     f"mean inflation {self.mean_inflation():.0%}")
         if self.name == "slow":
             return f"rank {self.rank} persistently slow: every micro-batch x{1 + self.x:g}"
-        return "none"
+        return "no delays"
 
     def _rng(self, rank: int, step: int, micro: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, rank, step, micro + 1])

@@ -250,7 +250,7 @@ class DeadlineStep(Step):
         m.indices, m.samples, m.tokens = self.trained, len(lengths), int(lengths.sum())
         m.padded_tokens = int(len(lengths) * lengths.max()) if len(lengths) else 0
         self.loss = self._loss_sum / self._terms if self._loss_sum is not None and self._terms else None
-        m.compute_cpu_s = self.plan.compute_cpu_s
+        m.compute_cpu_s, m.compute_wall_s = self.plan.compute_cpu_s, self.plan.compute_wall_s
         self.skipped = self.skipped or self.empty
         super().end()
 

@@ -10,6 +10,9 @@ model, differing in one thing each:
   (``--faults.data_delay_s``, a sleep in the DataLoader's collate) -> ``input_pipeline``.
 - ``slow-link``: the job on an emulated 2-node cluster behind ``--link`` (tbf-shaped veth
   links; needs root, ``ip``, ``tc``) -> ``communication``.
+- ``crowded``: the job's processes pinned to one CPU (their affinity), so its 2 ranks share
+  one core -> ``cpu_contention`` (every rank's training thread off the CPU about half of its
+  compute; no comparison between ranks shows it, both are slow alike).
 - ``aggressive-replan``: dynamic balancing with no damping (jump to every estimate, re-plan
   every step) while every rank's speed varies in bursts (``--noise`` held for ``--noise-steps``
   steps, drawn per rank) -> ``replan_oscillation``. Noise drawn afresh every step does not
@@ -27,8 +30,9 @@ the bench ran on: a shared machine's other load shows up in them.
 from __future__ import annotations
 
 import argparse
+import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from poise.bench.harness import output_dir, require_positive, run_train_job, save_results, show_table
 from poise.cluster import net
@@ -36,27 +40,39 @@ from poise.diagnostics import rules
 from poise.diagnostics.run import load_run
 from poise.log import make_console
 
-HELP = "one job per injected cause (slow rank, data, link, aggressive re-plans): does poise diagnose run find it"
+HELP = ("one job per injected cause (slow rank, data, link, crowded cores, aggressive re-plans): does poise "
+        "diagnose run find it")
 
 SYMBOL = {"ok": ".", "warn": "w", "problem": "P"}
 
 
-def jobs(args: argparse.Namespace) -> dict[str, tuple[list[str], str | None, int | None]]:
-    """name -> (poise train flags beyond the common ones, the rule expected to report a problem
-    (None: a control, nothing may), the rank it must name)."""
+class Job(NamedTuple):
+    """One injected cause: ``poise train`` flags beyond the common ones, the rule expected to
+    report a problem (None: a control, nothing may), the rank it must name, and the CPUs the
+    job may run on (None: all this process may)."""
+
+    flags: list[str]
+    expected: str | None
+    rank: int | None = None
+    cpus: set[int] | None = None
+
+
+def jobs(args: argparse.Namespace) -> dict[str, Job]:
+    """Every job of the bench, by name (see module doc)."""
     noise = ["--balance.speed_noise", str(args.noise), "--balance.speed_noise_steps", str(args.noise_steps),
              "--balance.cold_start_steps", "2"]
     local = ["--nproc", "2"]
     return {
-        "clean": ([*local, "--balance", "cost"], None, None),
-        "slow-rank": ([*local, "--balance", "cost", "--rank-speed", "1:0.5", "--balance.slowdown_method",
-                       args.slow_method], "straggler", 1),
-        "slow-data": ([*local, "--balance", "cost", "--faults.data_delay_s", str(args.data_delay_s)],
-                      "input_pipeline", None),
-        "slow-link": (["--balance", "cost", "--cluster", "2:1", "--link", args.link], "communication", None),
-        "aggressive-replan": ([*local, "--balance", "dynamic", "--balance.confident_error", "1",
-                               "--balance.max_share_change", "1", "--balance.replan_every_steps", "1", *noise],
-                              "replan_oscillation", None),
+        "clean": Job([*local, "--balance", "cost"], None),
+        "slow-rank": Job([*local, "--balance", "cost", "--rank-speed", "1:0.5", "--balance.slowdown_method",
+                          args.slow_method], "straggler", 1),
+        "slow-data": Job([*local, "--balance", "cost", "--faults.data_delay_s", str(args.data_delay_s)],
+                         "input_pipeline"),
+        "slow-link": Job(["--balance", "cost", "--cluster", "2:1", "--link", args.link], "communication"),
+        "crowded": Job([*local, "--balance", "cost"], "cpu_contention", cpus={min(os.sched_getaffinity(0))}),
+        "aggressive-replan": Job([*local, "--balance", "dynamic", "--balance.confident_error", "1",
+                                  "--balance.max_share_change", "1", "--balance.replan_every_steps", "1", *noise],
+                                 "replan_oscillation"),
     }
 
 
@@ -97,11 +113,11 @@ def run(args: argparse.Namespace) -> int:
               "--max-seq-len", "128", "--task.eval_max_samples", "16", *args.train_args]
     rows: list[dict[str, Any]] = []
     for name in chosen:
-        flags, expected, rank = planned[name]
+        job = planned[name]
         started = time.perf_counter()
-        report = run_train_job(name, out, [*common, *flags], args.timeout_s)
+        report = run_train_job(name, out, [*common, *job.flags], args.timeout_s, cpus=job.cpus)
         findings = rules.evaluate(load_run(out / name))
-        rows.append(score_job(name, expected, rank, findings, report, time.perf_counter() - started))
+        rows.append(score_job(name, job.expected, job.rank, findings, report, time.perf_counter() - started))
     columns = [("job", "job", str), ("expected", "expected", lambda v: v or "(nothing)")]
     columns += [(rule, rule, str) for rule in rules.RULES]
     columns += [("found", "found", lambda v: "yes" if v else "NO"), ("wall_s", "wall", lambda v: f"{v:.0f} s")]
@@ -112,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                          + ("" if found else ": see diagnose.json"))
     save_results(out, "diagnose", {
         "steps": args.steps, "all_found": found, "skipped": skipped, "jobs": rows,
-        "flags": {k: [*common, *planned[k][0]] for k in chosen},
+        "flags": {k: [*common, *planned[k].flags] for k in chosen},
     })
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -32,12 +33,15 @@ def output_dir(requested: str, family: str) -> Path:
 
 
 def run_train_job(
-    name: str, out_dir: Path, train_args: Sequence[str], timeout_s: float, *, command: str = "train"
+    name: str, out_dir: Path, train_args: Sequence[str], timeout_s: float, *, command: str = "train",
+    cpus: set[int] | None = None,
 ) -> dict[str, Any]:
     """Run ``poise train`` (or another job ``command``, e.g. ``pipeline``: the real CLI and
     launcher) in a subprocess; return its report.
 
-    Output goes to ``out_dir/name/<command>.log``; a failed job raises RuntimeError naming it.
+    ``cpus``: the CPUs the job and every process it starts may run on (its affinity; None: as
+    this process). Output goes to ``out_dir/name/<command>.log``; a failed job raises
+    RuntimeError naming it.
     """
     out = out_dir / name
     out.mkdir(parents=True, exist_ok=True)
@@ -46,7 +50,7 @@ def run_train_job(
     log.info("bench job %s: poise %s %s", name, command, " ".join(train_args))
     log_path = out / f"{command}.log"
     with open(log_path, "w") as log_file:
-        code = run_bounded(cmd, log_file, timeout_s)
+        code = run_bounded(cmd, log_file, timeout_s, cpus=cpus)
     if code is None:
         raise RuntimeError(f"bench job {name} ran past its limit of {timeout_s:g} s and was ended (see {log_path})")
     if code != 0:
@@ -55,11 +59,13 @@ def run_train_job(
     return json.loads((out / "report.json").read_text())
 
 
-def run_bounded(cmd: Sequence[str], log_file: Any, timeout_s: float) -> int | None:
+def run_bounded(cmd: Sequence[str], log_file: Any, timeout_s: float, *, cpus: set[int] | None = None) -> int | None:
     """Run ``cmd`` with its output in ``log_file``; its exit code, or None when it ran past
     ``timeout_s`` seconds: then it and every process below it (the launcher's workers, which
-    live in sessions of their own) are ended (:func:`poise.launch.processes.end_tree`)."""
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    live in sessions of their own) are ended (:func:`poise.launch.processes.end_tree`).
+    ``cpus``: its CPU affinity, set before it starts (its children inherit it)."""
+    pin = None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

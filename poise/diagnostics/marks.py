@@ -48,6 +48,7 @@ class StepMarks:
     codec_s: float = 0.0
     cpu_s: float = float("nan")  # CPU seconds of the rank's process in the step (StepRecord.cpu_s)
     compute_cpu_s: float = float("nan")  # ... of its training thread in forward and backward
+    compute_wall_s: float | None = None  # wall seconds of those spans (None: the forward and backward marks')
 
     def record(self, clock: Any) -> StepRecord:
         """The step's :class:`StepRecord` (seconds); reads the marks (waits for CUDA events)."""
@@ -67,4 +68,5 @@ class StepMarks:
             raw_bytes=self.raw_bytes, wire_bytes=self.wire_bytes, inter_node_raw_bytes=self.inter_node_raw_bytes,
             inter_node_wire_bytes=self.inter_node_wire_bytes, codec_s=self.codec_s, comm_busy_s=busy,
             comm_hidden_s=hidden, skipped=int(self.skipped), cpu_s=self.cpu_s, compute_cpu_s=self.compute_cpu_s,
+            compute_wall_s=self.compute_wall_s if self.compute_wall_s is not None else s(ready),
         )

@@ -17,6 +17,8 @@ what to look at), restated in what poise measures:
 - communication exposed beyond waiting for the slowest rank -> network or topology
   (:func:`communication`), against the line rate when it is known;
 - shares reversing from re-plan to re-plan -> dynamic balancing too aggressive (:func:`replan_oscillation`);
+- ranks whose training thread is off the CPU for part of its own compute -> more runnable
+  threads than cores, or a CPU quota or other processes on one rank's host (:func:`cpu_contention`);
 - and non-finite skipped steps, checkpoint stalls and padding waste.
 
 Thresholds are module constants (shares of time are 0..1). They are set so that a clean run
@@ -53,6 +55,7 @@ UNSTABLE_CV = 0.5  # step-time coefficient of variation flagged without re-plann
 NONFINITE_PROBLEM = 0.01  # share of steps skipped
 STALL_WARN, STALL_PROBLEM = 0.02, 0.05  # checkpoint stall share of training time
 PADDING_WARN, PADDING_PROBLEM = 0.25, 0.5  # padded tokens per real token, minus 1
+ON_CPU_WARN, ON_CPU_PROBLEM = 0.8, 0.6  # share of its compute's wall time the training thread was on a CPU
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,52 @@ def checkpoint_stalls(run: RunData) -> Finding:
                    "--checkpoint-every, or --checkpoint.delta_codec int8" if verdict != "ok" else "")
 
 
+def cpu_contention(run: RunData) -> Finding:
+    """The share of each rank's own compute (forward and backward: wall seconds) its training
+    thread spent on a CPU (its CPU seconds there), from the timeline's ``compute_cpu_s`` and
+    ``compute_wall_s``.
+
+    Why: a rank whose thread waits for a core computes slowly although its chip is as fast as
+    the others', and when every rank waits alike (more ranks × threads than cores) no
+    comparison between ranks shows it: each looks balanced and merely slow. Waits for other
+    ranks block off the CPU outside these spans, so they do not lower the share. CPU runs only:
+    a GPU rank's thread waits for its device by design.
+    """
+    steady = run.steady
+    cpu, wall = column(steady, "compute_cpu_s"), column(steady, "compute_wall_s")
+    threshold = f"problem under {ON_CPU_PROBLEM}, warn under {ON_CPU_WARN} (share 0..1, worst rank)"
+    if str(run.report.get("backend", "gloo")) != "gloo":
+        return Finding("cpu_contention", "ok", "GPU ranks: the training thread waits for its device, not a CPU",
+                       threshold=threshold)
+    measured = np.isfinite(cpu) & np.isfinite(wall)
+    wall_s = np.where(measured, wall, 0.0).sum(axis=1)
+    if not measured.any() or wall_s.min() <= 0:
+        return Finding("cpu_contention", "ok", "no CPU seconds recorded (a timeline from before poise recorded them)",
+                       threshold=threshold)
+    share = np.minimum(np.where(measured, cpu, 0.0).sum(axis=1) / wall_s, 1.0)
+    busy = column(steady, "cpu_s").sum(axis=1) / np.maximum(column(steady, "step_s").sum(axis=1), 1e-12)
+    worst = int(np.argmin(share))
+    verdict = _level(float(share[worst]), ON_CPU_WARN, ON_CPU_PROBLEM, below=True)
+    evidence = {"on_cpu_share_per_rank": [_r(s) for s in share], "worst_rank": worst,
+                "cpus_busy_per_rank": [_r(b) if np.isfinite(b) else None for b in busy]}
+    others = np.delete(share, worst)
+    alone = verdict != "ok" and len(others) > 0 and float(np.median(others)) >= ON_CPU_WARN
+    if verdict == "ok":
+        return Finding("cpu_contention", "ok", f"every rank's training thread was on a CPU for >= {share.min():.0%} "
+                       "of its compute", evidence, threshold)
+    if alone:
+        return Finding("cpu_contention", verdict, f"rank {worst}'s training thread was on a CPU for only "
+                       f"{share[worst]:.0%} of its compute (the others' median {np.median(others):.0%})",
+                       evidence, threshold,
+                       f"something else takes rank {worst}'s cores: its CPU quota (cgroup cpu.max), other processes "
+                       "on its host, or more threads than its cores; poise diagnose host on that host", worst)
+    return Finding("cpu_contention", verdict, f"the ranks' training threads were on a CPU for only "
+                   f"{share.min():.0%}-{share.max():.0%} of their compute: more runnable threads than cores",
+                   evidence, threshold,
+                   "fewer ranks per host or fewer threads per rank (--dist.threads_per_worker; ranks x threads at "
+                   "most the host's cores: poise diagnose host), or stop what else runs on the hosts")
+
+
 def padding_waste(run: RunData) -> Finding:
     """Padded tokens computed per real token, minus 1."""
     padded, tokens = column(run.table, "padded_tokens").sum(), column(run.table, "tokens").sum()
@@ -314,6 +363,7 @@ RULES: dict[str, Rule] = {
     "nonfinite_steps": nonfinite_steps,
     "checkpoint_stalls": checkpoint_stalls,
     "padding_waste": padding_waste,
+    "cpu_contention": cpu_contention,
 }
 
 

@@ -66,6 +66,12 @@ class StepRecord:
     # CPU seconds (NaN: not measured, e.g. a timeline written before they were recorded)
     cpu_s: float = float("nan")  # this rank's process, from the previous step's end to this one's (all threads)
     compute_cpu_s: float = float("nan")  # its training thread inside forward and backward
+    # wall seconds of its compute: forward + backward until the last bucket was handed over (under
+    # deadline steps the micro-batches' own spans, without the stalls and claims between them).
+    # compute_cpu_s / compute_wall_s is the share of its compute the training thread spent on a
+    # CPU; compute_cpu_s also counts the thread's work while backward finishes the reduction (DDP
+    # copying reduced buckets back, a codec's decode), so with a tiny model it can exceed 1.
+    compute_wall_s: float = float("nan")
 
     @property
     def compute_s(self) -> float:
@@ -75,7 +81,7 @@ class StepRecord:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
 # fields a timeline written by an earlier poise may lack: they load as NaN (not measured)
-OPTIONAL_FIELDS = ("cpu_s", "compute_cpu_s")
+OPTIONAL_FIELDS = ("cpu_s", "compute_cpu_s", "compute_wall_s")
 
 
 class Timeline:

@@ -105,6 +105,7 @@ class StepPlan:
     vector: torch.Tensor | None = None
     stall_s: float = 0.0  # delays injected on this rank in this step
     compute_cpu_s: float = 0.0  # CPU seconds of this rank's thread in its micro-batches' forward and backward
+    compute_wall_s: float = 0.0  # wall seconds of the same spans
     current: np.ndarray | None = None  # the micro-batch handed out last
     backwards: int = 0  # backward calls of the step (one per micro-batch)
     joined_late: bool = False  # the watchdog entered the reduction for this rank while it stalled
@@ -251,6 +252,7 @@ class DeadlineRunner:
                     raise
                 finally:
                     plan.compute_cpu_s += time.thread_time() - began_cpu
+                    plan.compute_wall_s += time.perf_counter() - began
                 if plan.backwards != plan.computed + 1:
                     raise ValueError(f"step {plan.index}: micro-batch {plan.computed} was handed out but no "
                                      "step.backward(loss) ran for it: one backward per micro-batch")

@@ -132,6 +132,8 @@ def test_finish_writes_the_report_trace_and_plot_of_every_rank(tmp_path: Path):
     table = load_table(tmp_path / "timeline.npz")
     cpu, compute = column(table, "cpu_s"), column(table, "compute_cpu_s")
     assert np.all(compute > 0) and np.all(cpu >= compute - 0.002)
+    # plain steps: the wall seconds beside it are forward + backward's own (until the last bucket was handed over)
+    assert np.allclose(column(table, "compute_wall_s"), column(table, "compute_s"))
     assert all(0 < r["cpus_busy"] for r in report["per_rank"])  # CPUs each rank's process kept busy
     # the codec's hook saw the gradients: fp16 halves the bytes
     assert report["comm_raw_bytes_per_step"] > 0

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from poise.diagnostics.timeline import column, load_table
 from tests.conftest import run_poise
 
 pytestmark = pytest.mark.e2e
@@ -31,6 +32,11 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
         assert 0 < row["cores_busy"] <= 1 and row["cpu_ms_per_sample"] > 0  # from the job's CPU trace
         # from the ranks' timelines: their compute, and what their processes spent besides
         assert row["compute_cpu_ms_per_sample"] > 0 and 0 < row["cpu_outside_compute"] < 0.5
+    # deadline steps time their micro-batches' own compute: without the stalls and claims between them
+    table = load_table(tmp_path / "w2-bernoulli-deadline-s0" / "timeline.npz")
+    wall = column(table, "compute_wall_s")
+    assert 0 < wall.sum() < column(table, "compute_s").sum()
+    assert column(table, "compute_cpu_s").sum() <= 1.02 * wall.sum()  # one thread: on a CPU at most all along
     # the reference: the delay-free runs around the delayed ones, interpolated in time (each its own)
     assert runs["w2-delay-free-s0"]["throughput_vs_delay_free"] == 1.0
     assert runs["w2-delay-free-after-bernoulli-s0"]["throughput_vs_delay_free"] == 1.0

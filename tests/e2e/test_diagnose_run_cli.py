@@ -17,19 +17,25 @@ SMALL = ["--max-seq-len", "64", "--task.d_model", "32", "--task.num_layers", "1"
 def test_diagnose_bench_finds_each_injected_cause(tmp_path, cache_dir):
     # the bench's own model: a smaller one computes for ~2 ms a step, within a shared machine's noise
     proc = run_poise("bench", "diagnose", "--steps", "30", "--data-delay-s", "0.1",
-                     "--jobs", "clean,slow-rank,slow-data,aggressive-replan", "--out", str(tmp_path), "--",
+                     "--jobs", "clean,slow-rank,slow-data,crowded,aggressive-replan", "--out", str(tmp_path), "--",
                      "--task.cache_dir", str(cache_dir), timeout_s=800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "jobs diagnosed as injected" in proc.stdout
     data = json.loads((tmp_path / "diagnose.json").read_text())
     rows = {r["job"]: r for r in data["jobs"]}
-    assert set(rows) == {"clean", "slow-rank", "slow-data", "aggressive-replan"}
-    for name in ("slow-rank", "slow-data"):
+    assert set(rows) == {"clean", "slow-rank", "slow-data", "crowded", "aggressive-replan"}
+    for name in ("slow-rank", "slow-data", "crowded"):
         assert rows[name]["found"], (name, rows[name]["verdicts"])
     assert rows["slow-rank"]["verdicts"]["straggler"] == "problem"
     straggler = next(f for f in rows["slow-rank"]["findings"] if f["rule"] == "straggler")
     assert straggler["rank"] == 1
     assert rows["clean"]["problems"] == [], rows["clean"]["verdicts"]
+    # both ranks on one CPU: each thread off it about half its compute, neither ranked worse than the other
+    crowded = next(f for f in rows["crowded"]["findings"] if f["rule"] == "cpu_contention")
+    assert crowded["rank"] is None and max(crowded["evidence"]["on_cpu_share_per_rank"]) < 0.6
+    # a rank slowed by sleeping inside its compute is off its CPU for that time: named as starved too
+    starved = next(f for f in rows["slow-rank"]["findings"] if f["rule"] == "cpu_contention")
+    assert starved["rank"] == 1
     # every rule ran on every job; a re-plan job with 30 steps re-planned every step
     assert all(set(r["verdicts"]) == set(rows["clean"]["verdicts"]) for r in rows.values())
     assert next(f for f in rows["aggressive-replan"]["findings"]

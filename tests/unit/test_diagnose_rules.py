@@ -18,9 +18,11 @@ RNG_SEED = 0
 
 def make_table(ranks: int = 2, steps: int = 40, *, compute_s: float = 0.1, data_s: float = 0.001,
                comm_s: float = 0.005, speeds: tuple[float, ...] | None = None, work: np.ndarray | None = None,
-               padded_per_real: float = 1.02, noise: float = 0.02) -> np.ndarray:
+               padded_per_real: float = 1.02, noise: float = 0.02,
+               on_cpu: tuple[float, ...] | None = None) -> np.ndarray:
     """A plausible gathered table: every rank computes ``compute_s × work / speed`` per step,
-    waits for the slowest, then communicates ``comm_s``; small noise from a fixed seed."""
+    waits for the slowest, then communicates ``comm_s``; small noise from a fixed seed. Each
+    rank's training thread is on a CPU for ``on_cpu`` of its compute (default 0.97)."""
     rng = np.random.default_rng(RNG_SEED)
     speeds = speeds or (1.0,) * ranks
     work = np.full((ranks, steps), 1000.0) if work is None else work
@@ -43,6 +45,9 @@ def make_table(ranks: int = 2, steps: int = 40, *, compute_s: float = 0.1, data_
     table[:, :, col["loss"]] = 2.0
     table[:, :, col["raw_bytes"]] = table[:, :, col["wire_bytes"]] = 2e6
     table[:, :, col["comm_busy_s"]] = comm_s
+    table[:, :, col["compute_wall_s"]] = compute
+    table[:, :, col["compute_cpu_s"]] = compute * np.asarray(on_cpu or (0.97,) * ranks)[:, None]
+    table[:, :, col["cpu_s"]] = table[:, :, col["compute_cpu_s"]] + 0.003
     return table
 
 
@@ -127,6 +132,21 @@ def test_nonfinite_steps_checkpoint_stalls_and_padding():
     assert found["padding_waste"].evidence["padding_waste"] == pytest.approx(0.8)
 
 
+def test_cpu_contention_tells_every_rank_crowded_from_one_rank_starved():
+    crowded = verdicts(RunData(make_table(on_cpu=(0.5, 0.52)), {"backend": "gloo"}))["cpu_contention"]
+    assert crowded.verdict == "problem" and crowded.rank is None
+    assert "more runnable threads than cores" in crowded.summary and "threads_per_worker" in crowded.advice
+    assert crowded.evidence["on_cpu_share_per_rank"] == [0.5, 0.52]
+    starved = verdicts(RunData(make_table(ranks=4, on_cpu=(0.97, 0.45, 0.95, 0.96)), {}))["cpu_contention"]
+    assert starved.verdict == "problem" and starved.rank == 1 and "quota" in starved.advice
+    assert verdicts(RunData(make_table(on_cpu=(0.7, 0.72)), {}))["cpu_contention"].verdict == "warn"
+    # the same shares under NCCL say nothing (the thread waits for its GPU), nor does an old timeline
+    assert verdicts(RunData(make_table(on_cpu=(0.5, 0.5)), {"backend": "nccl"}))["cpu_contention"].verdict == "ok"
+    old = make_table(on_cpu=(0.5, 0.5))
+    old[:, :, FIELDS.index("compute_cpu_s")] = old[:, :, FIELDS.index("compute_wall_s")] = np.nan
+    assert "no CPU seconds" in verdicts(RunData(old, {}))["cpu_contention"].summary
+
+
 def test_findings_are_json_with_the_issue_keys_and_worst_first():
     findings = rules.evaluate(RunData(make_table(speeds=(1.0, 0.5)), {}))
     data = json.loads(json.dumps([f.to_dict() for f in findings]))
@@ -154,7 +174,7 @@ def test_a_timeline_written_before_the_cpu_fields_loads_them_as_not_measured(tmp
              format=np.array("poise-timeline-1"))
     loaded = load_table(tmp_path / "old.npz")
     assert loaded.shape == table.shape
-    assert np.isnan(column(loaded, "cpu_s")).all() and np.isnan(column(loaded, "compute_cpu_s")).all()
+    assert all(np.isnan(column(loaded, f)).all() for f in OPTIONAL_FIELDS)
     assert np.array_equal(column(loaded, "step_s"), column(table, "step_s"))
 
 

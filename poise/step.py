@@ -118,6 +118,7 @@ class Step:
             raise ValueError(f"step {self.index} ended without step.backward(loss): {what}")
         m.end = s.clock.mark()
         m.cpu_s = time.process_time() - self._cpu_from
+        m.emulated_s = s.slowdown.slept_s
         stats, inter = s.comm_state.step_stats(), s.comm_state.inter_node_stats()
         m.loss, m.skipped = self.loss, self.skipped
         m.raw_bytes, m.wire_bytes = stats.raw_bytes, stats.wire_bytes

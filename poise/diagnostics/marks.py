@@ -48,7 +48,10 @@ class StepMarks:
     codec_s: float = 0.0
     cpu_s: float = float("nan")  # CPU seconds of the rank's process in the step (StepRecord.cpu_s)
     compute_cpu_s: float = float("nan")  # ... of its training thread in forward and backward
-    compute_wall_s: float | None = None  # wall seconds of those spans (None: the forward and backward marks')
+    compute_wall_s: float | None = None  # wall seconds of its compute (None: the forward and backward marks')
+    # seconds poise's emulated slowness (--rank-speed, speed noise: sleeping) slept in that compute,
+    # left out of compute_wall_s: it stands for a slower chip, not for a thread waiting for a core
+    emulated_s: float = 0.0
 
     def record(self, clock: Any) -> StepRecord:
         """The step's :class:`StepRecord` (seconds); reads the marks (waits for CUDA events)."""
@@ -68,5 +71,5 @@ class StepMarks:
             raw_bytes=self.raw_bytes, wire_bytes=self.wire_bytes, inter_node_raw_bytes=self.inter_node_raw_bytes,
             inter_node_wire_bytes=self.inter_node_wire_bytes, codec_s=self.codec_s, comm_busy_s=busy,
             comm_hidden_s=hidden, skipped=int(self.skipped), cpu_s=self.cpu_s, compute_cpu_s=self.compute_cpu_s,
-            compute_wall_s=self.compute_wall_s if self.compute_wall_s is not None else s(ready),
+            compute_wall_s=(self.compute_wall_s if self.compute_wall_s is not None else s(ready)) - self.emulated_s,
         )

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from poise.balance.metrics import balance, idle_fraction
-from poise.diagnostics.timeline import column, save_table, write_chrome_trace
+from poise.diagnostics.timeline import column, on_cpu_share, save_table, write_chrome_trace
 from poise.files import write_json_atomic
 
 WARMUP_STEPS = 1
@@ -75,6 +75,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
     losses = loss_scale * weighted.sum(axis=0) / np.maximum(step_tokens.sum(axis=0), 1)
     k = max(1, min(5, len(losses) // 4))
     per_rank = []
+    on_cpu = on_cpu_share(steady)
     for r in range(table.shape[0]):
         one = steady[r : r + 1]
         entry: dict[str, Any] = {"rank": r}
@@ -87,6 +88,8 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         # a machine with fewer cores than ranks x threads, below 1 each); None where not measured
         cpus = float(column(one, "cpu_s").sum() / column(one, "step_s").sum())
         entry["cpus_busy"] = cpus if np.isfinite(cpus) else None
+        # the share of its compute its training thread spent on a CPU (below 1: it waited for a core)
+        entry["compute_on_cpu"] = float(on_cpu[r]) if np.isfinite(on_cpu[r]) else None
         per_rank.append(entry)
     ideal = sum(r["tokens_per_compute_s"] for r in per_rank)
     raw, wire = column(steady, "raw_bytes"), column(steady, "wire_bytes")

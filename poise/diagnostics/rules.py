@@ -37,7 +37,7 @@ import numpy as np
 
 from poise.balance.metrics import balance, idle_fraction
 from poise.diagnostics.run import RunData
-from poise.diagnostics.timeline import column
+from poise.diagnostics.timeline import column, on_cpu_share
 
 VERDICTS = ("ok", "warn", "problem")
 
@@ -307,24 +307,23 @@ def cpu_contention(run: RunData) -> Finding:
     a GPU rank's thread waits for its device by design.
     """
     steady = run.steady
-    cpu, wall = column(steady, "compute_cpu_s"), column(steady, "compute_wall_s")
     threshold = f"problem under {ON_CPU_PROBLEM}, warn under {ON_CPU_WARN} (share 0..1, worst rank)"
     if str(run.report.get("backend", "gloo")) != "gloo":
         return Finding("cpu_contention", "ok", "GPU ranks: the training thread waits for its device, not a CPU",
                        threshold=threshold)
-    measured = np.isfinite(cpu) & np.isfinite(wall)
-    wall_s = np.where(measured, wall, 0.0).sum(axis=1)
-    if not measured.any() or wall_s.min() <= 0:
+    share = on_cpu_share(steady)  # NaN: a rank without CPU figures (an old timeline, or it computed nothing)
+    known = np.isfinite(share)
+    if not known.any():
         return Finding("cpu_contention", "ok", "no CPU seconds recorded (a timeline from before poise recorded them)",
                        threshold=threshold)
-    share = np.minimum(np.where(measured, cpu, 0.0).sum(axis=1) / wall_s, 1.0)
     busy = column(steady, "cpu_s").sum(axis=1) / np.maximum(column(steady, "step_s").sum(axis=1), 1e-12)
-    worst = int(np.argmin(share))
+    worst = int(np.argmin(np.where(known, share, np.inf)))
     verdict = _level(float(share[worst]), ON_CPU_WARN, ON_CPU_PROBLEM, below=True)
-    evidence = {"on_cpu_share_per_rank": [_r(s) for s in share], "worst_rank": worst,
+    evidence = {"on_cpu_share_per_rank": [_r(s) if np.isfinite(s) else None for s in share], "worst_rank": worst,
                 "cpus_busy_per_rank": [_r(b) if np.isfinite(b) else None for b in busy]}
-    others = np.delete(share, worst)
-    alone = verdict != "ok" and len(others) > 0 and float(np.median(others)) >= ON_CPU_WARN
+    others = share[known & (np.arange(len(share)) != worst)]
+    alone = len(others) > 0 and float(np.median(others)) >= ON_CPU_WARN
+    share = share[known]
     if verdict == "ok":
         return Finding("cpu_contention", "ok", f"every rank's training thread was on a CPU for >= {share.min():.0%} "
                        "of its compute", evidence, threshold)

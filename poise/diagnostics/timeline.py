@@ -67,7 +67,8 @@ class StepRecord:
     cpu_s: float = float("nan")  # this rank's process, from the previous step's end to this one's (all threads)
     compute_cpu_s: float = float("nan")  # its training thread inside forward and backward
     # wall seconds of its compute: forward + backward until the last bucket was handed over (under
-    # deadline steps the micro-batches' own spans, without the stalls and claims between them).
+    # deadline steps the micro-batches' own spans, without the stalls and claims between them;
+    # without the sleeps of emulated slowness, which stand for a slower chip).
     # compute_cpu_s / compute_wall_s is the share of its compute the training thread spent on a
     # CPU; compute_cpu_s also counts the thread's work while backward finishes the reduction (DDP
     # copying reduced buckets back, a codec's decode), so with a tiny model it can exceed 1.
@@ -144,6 +145,18 @@ def column(table: np.ndarray, name: str) -> np.ndarray:
     if name == "compute_s":
         return column(table, "forward_s") + column(table, "backward_s")
     return table[:, :, FIELDS.index(name)]
+
+
+def on_cpu_share(table: np.ndarray) -> np.ndarray:
+    """Per rank, the share (0..1) of its compute's wall seconds its training thread spent on a
+    CPU: ``compute_cpu_s`` over ``compute_wall_s``, summed over the steps where both were
+    recorded (NaN for a rank with none). Below 1 on a CPU rank: its thread waited for a core."""
+    cpu, wall = column(table, "compute_cpu_s"), column(table, "compute_wall_s")
+    measured = np.isfinite(cpu) & np.isfinite(wall)
+    wall_s = np.where(measured, wall, 0.0).sum(axis=1)
+    cpu_s = np.where(measured, cpu, 0.0).sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(wall_s > 0, np.minimum(cpu_s / wall_s, 1.0), np.nan)
 
 
 TABLE_FORMAT = "poise-timeline-1"

@@ -58,6 +58,7 @@ class Slowdown:
     group: Path | None = field(default=None, repr=False)  # the cgroup (cgroup method)
     mark_s: float | None = field(default=None, repr=False)
     _extra: float = field(default=0.0, repr=False)  # this step's sleep per second of compute
+    slept_s: float = field(default=0.0, repr=False)  # seconds slept in stretches since the step began
     _lowered: bool = field(default=False, repr=False)  # cgroup: the quota is the slowed one
 
     def begin_step(self, step: int) -> None:
@@ -70,12 +71,15 @@ class Slowdown:
         if self.noise > 0:
             factor *= 1.0 + float(np.random.default_rng([self.seed, step // self.noise_steps]).exponential(self.noise))
         self._extra = factor - 1.0
+        self.slept_s = 0.0
 
     def stretch(self) -> None:
         """Sleep this step's extra share of the compute since ``mark_s`` (nothing when not
         slowed, or before the first step began); re-mark."""
         if self._extra > 0 and self.mark_s is not None:
-            time.sleep(self._extra * max(0.0, time.perf_counter() - self.mark_s))
+            seconds = self._extra * max(0.0, time.perf_counter() - self.mark_s)
+            time.sleep(seconds)
+            self.slept_s += seconds
         self.mark_s = time.perf_counter()
 
     def wrap_hook(self, hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]

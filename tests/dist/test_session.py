@@ -135,6 +135,7 @@ def test_finish_writes_the_report_trace_and_plot_of_every_rank(tmp_path: Path):
     # plain steps: the wall seconds beside it are forward + backward's own (until the last bucket was handed over)
     assert np.allclose(column(table, "compute_wall_s"), column(table, "compute_s"))
     assert all(0 < r["cpus_busy"] for r in report["per_rank"])  # CPUs each rank's process kept busy
+    assert all(0 < r["compute_on_cpu"] <= 1 for r in report["per_rank"])
     # the codec's hook saw the gradients: fp16 halves the bytes
     assert report["comm_raw_bytes_per_step"] > 0
     assert report["compression_ratio"] == pytest.approx(2.0, rel=0.05)

@@ -33,9 +33,8 @@ def test_diagnose_bench_finds_each_injected_cause(tmp_path, cache_dir):
     # both ranks on one CPU: each thread off it about half its compute, neither ranked worse than the other
     crowded = next(f for f in rows["crowded"]["findings"] if f["rule"] == "cpu_contention")
     assert crowded["rank"] is None and max(crowded["evidence"]["on_cpu_share_per_rank"]) < 0.6
-    # a rank slowed by sleeping inside its compute is off its CPU for that time: named as starved too
-    starved = next(f for f in rows["slow-rank"]["findings"] if f["rule"] == "cpu_contention")
-    assert starved["rank"] == 1
+    # emulated slowness (sleeping) stands for a slower chip: its sleeps are not a thread waiting for a core
+    assert rows["slow-rank"]["verdicts"]["cpu_contention"] != "problem"
     # every rule ran on every job; a re-plan job with 30 steps re-planned every step
     assert all(set(r["verdicts"]) == set(rows["clean"]["verdicts"]) for r in rows.values())
     assert next(f for f in rows["aggressive-replan"]["findings"]

@@ -145,6 +145,11 @@ def test_cpu_contention_tells_every_rank_crowded_from_one_rank_starved():
     old = make_table(on_cpu=(0.5, 0.5))
     old[:, :, FIELDS.index("compute_cpu_s")] = old[:, :, FIELDS.index("compute_wall_s")] = np.nan
     assert "no CPU seconds" in verdicts(RunData(old, {}))["cpu_contention"].summary
+    # a rank without figures (it computed nothing) is left out, not blamed
+    idle = make_table(ranks=3, on_cpu=(0.97, 0.4, 0.96))
+    idle[0, :, FIELDS.index("compute_wall_s")] = 0.0
+    partial = verdicts(RunData(idle, {}))["cpu_contention"]
+    assert partial.rank == 1 and partial.evidence["on_cpu_share_per_rank"][0] is None
 
 
 def test_findings_are_json_with_the_issue_keys_and_worst_first():

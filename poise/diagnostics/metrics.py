@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from poise.balance.metrics import balance
 from poise.config import MetricsConfig
-from poise.diagnostics.timeline import column
+from poise.diagnostics.timeline import column, on_cpu_share
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,13 @@ class MetricsExporter:
         self.rank_comm_total = counter("rank_communication_seconds", "communication seconds beyond idle", ("rank",))
         self.rank_idle_total = counter("rank_idle_seconds", "seconds waiting for the slowest rank", ("rank",))
         self.rank_data_total = counter("rank_data_seconds", "data-loading seconds", ("rank",))
+        self.rank_cpu_total = counter("rank_cpu_seconds", "CPU seconds of the rank's process in its steps, all threads",
+                                      ("rank",))
+        self.rank_on_cpu = gauge("rank_compute_on_cpu_ratio", "share of its compute the training thread spent on a "
+                                 "CPU, last gather (below 1 on a CPU rank: it waited for a core)", ("rank",))
         for rank in range(world_size):  # every series exists from the start, at 0
             for metric in (self.rank_compute, self.rank_comm, self.rank_idle, self.rank_data, self.rank_compute_total,
-                           self.rank_comm_total, self.rank_idle_total, self.rank_data_total):
+                           self.rank_comm_total, self.rank_idle_total, self.rank_data_total, self.rank_cpu_total):
                 metric.labels(rank=str(rank))
 
     def observe(self, block: np.ndarray, replans: int = 0) -> None:
@@ -127,8 +131,12 @@ class MetricsExporter:
         if replans > self._replans_seen:
             self.replans.inc(replans - self._replans_seen)
             self._replans_seen = replans
+        cpu, on_cpu = column(block, "cpu_s"), on_cpu_share(block)
         for rank in range(min(self.world_size, block.shape[0])):
             label = str(rank)
+            self.rank_cpu_total.labels(rank=label).inc(float(np.nansum(cpu[rank])))
+            if np.isfinite(on_cpu[rank]):  # not measured: the gauge keeps its last value (absent until one)
+                self.rank_on_cpu.labels(rank=label).set(float(on_cpu[rank]))
             for gauge_, counter_, values in ((self.rank_compute, self.rank_compute_total, compute[rank]),
                                              (self.rank_comm, self.rank_comm_total, comm[rank]),
                                              (self.rank_idle, self.rank_idle_total, idle[rank]),

@@ -90,6 +90,8 @@ def test_a_running_job_serves_prometheus_metrics(tmp_path):
                      "poise_rank_step_communication_seconds", "poise_rank_compute_seconds"):
             ranks = {s.labels["rank"] for s in families[name].samples if s.name.startswith(name)}
             assert ranks == {"0", "1"}, name
+        on_cpu = {s.labels["rank"]: s.value for s in families["poise_rank_compute_on_cpu_ratio"].samples}
+        assert set(on_cpu) == {"0", "1"} and all(0 < v <= 1 for v in on_cpu.values()), on_cpu
         data = {s.labels["rank"]: s.value for s in families["poise_rank_step_data_seconds"].samples}
         assert all(v >= 0.05 for v in data.values()), data  # the injected 60 ms per batch
         assert 0 < families["poise_balance_ratio"].samples[0].value <= 1

@@ -25,6 +25,9 @@ def block(compute: list[list[float]], comm_wait: list[list[float]]) -> np.ndarra
     out[:, :, FIELDS.index("tokens")] = 100
     out[:, :, FIELDS.index("raw_bytes")] = 1000
     out[:, :, FIELDS.index("wire_bytes")] = 500
+    out[:, :, FIELDS.index("compute_wall_s")] = c
+    out[:, :, FIELDS.index("compute_cpu_s")] = 0.5 * c  # each training thread on a CPU half of its compute
+    out[:, :, FIELDS.index("cpu_s")] = 0.5 * c + 0.02
     return out
 
 
@@ -52,6 +55,8 @@ def test_block_figures_split_idle_from_communication():
     assert value(f, "poise_wire_bytes", "poise_wire_bytes_total") == 2000
     assert value(f, "poise_replans", "poise_replans_total") == 2
     assert value(f, "poise_step_seconds") == pytest.approx(0.26)
+    assert value(f, "poise_rank_compute_on_cpu_ratio", rank="1") == pytest.approx(0.5)
+    assert value(f, "poise_rank_cpu_seconds", "poise_rank_cpu_seconds_total", rank="0") == pytest.approx(0.14)
     e.observe(block([[0.1], [0.1]], [[0.0], [0.0]]), replans=2)  # counters accumulate, re-plans are not recounted
     e.observe_checkpoint(0.25)
     f = families(e)

@@ -323,9 +323,9 @@ def cpu_contention(run: RunData) -> Finding:
                 "cpus_busy_per_rank": [_r(b) if np.isfinite(b) else None for b in busy]}
     others = share[known & (np.arange(len(share)) != worst)]
     alone = len(others) > 0 and float(np.median(others)) >= ON_CPU_WARN
-    share = share[known]
+    low, high = float(share[known].min()), float(share[known].max())
     if verdict == "ok":
-        return Finding("cpu_contention", "ok", f"every rank's training thread was on a CPU for >= {share.min():.0%} "
+        return Finding("cpu_contention", "ok", f"every rank's training thread was on a CPU for >= {low:.0%} "
                        "of its compute", evidence, threshold)
     if alone:
         return Finding("cpu_contention", verdict, f"rank {worst}'s training thread was on a CPU for only "
@@ -334,7 +334,7 @@ def cpu_contention(run: RunData) -> Finding:
                        f"something else takes rank {worst}'s cores: its CPU quota (cgroup cpu.max), other processes "
                        "on its host, or more threads than its cores; poise diagnose host on that host", worst)
     return Finding("cpu_contention", verdict, f"the ranks' training threads were on a CPU for only "
-                   f"{share.min():.0%}-{share.max():.0%} of their compute: more runnable threads than cores",
+                   f"{low:.0%}-{high:.0%} of their compute: more runnable threads than cores",
                    evidence, threshold,
                    "fewer ranks per host or fewer threads per rank (--dist.threads_per_worker; ranks x threads at "
                    "most the host's cores: poise diagnose host), or stop what else runs on the hosts")

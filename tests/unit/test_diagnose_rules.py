@@ -150,6 +150,7 @@ def test_cpu_contention_tells_every_rank_crowded_from_one_rank_starved():
     idle[0, :, FIELDS.index("compute_wall_s")] = 0.0
     partial = verdicts(RunData(idle, {}))["cpu_contention"]
     assert partial.rank == 1 and partial.evidence["on_cpu_share_per_rank"][0] is None
+    assert "rank 1's training thread was on a CPU for only 40%" in partial.summary
 
 
 def test_findings_are_json_with_the_issue_keys_and_worst_first():

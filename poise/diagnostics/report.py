@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from poise.balance.metrics import balance, idle_fraction
-from poise.diagnostics.timeline import column, on_cpu_share, save_table, write_chrome_trace
+from poise.diagnostics.timeline import column, cpus_busy, on_cpu_share, save_table, write_chrome_trace
 from poise.files import write_json_atomic
 
 WARMUP_STEPS = 1
@@ -75,7 +75,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
     losses = loss_scale * weighted.sum(axis=0) / np.maximum(step_tokens.sum(axis=0), 1)
     k = max(1, min(5, len(losses) // 4))
     per_rank = []
-    on_cpu = on_cpu_share(steady)
+    busy, on_cpu = cpus_busy(steady), on_cpu_share(steady)
     for r in range(table.shape[0]):
         one = steady[r : r + 1]
         entry: dict[str, Any] = {"rank": r}
@@ -84,11 +84,8 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         entry["samples_per_s"] = float(column(one, "samples").sum() / column(one, "step_s").sum())
         entry["tokens_per_s"] = float(column(one, "tokens").sum() / column(one, "step_s").sum())
         entry["tokens_per_compute_s"] = float(column(one, "tokens").sum() / column(one, "compute_s").sum())
-        # CPUs the rank's process kept busy over its steps, all its threads (1.0: one core's worth; on
-        # a machine with fewer cores than ranks x threads, below 1 each); None where not measured
-        cpus = float(column(one, "cpu_s").sum() / column(one, "step_s").sum())
-        entry["cpus_busy"] = cpus if np.isfinite(cpus) else None
-        # the share of its compute its training thread spent on a CPU (below 1: it waited for a core)
+        # CPUs the rank's process kept busy; the share of its compute its training thread was on a CPU
+        entry["cpus_busy"] = float(busy[r]) if np.isfinite(busy[r]) else None
         entry["compute_on_cpu"] = float(on_cpu[r]) if np.isfinite(on_cpu[r]) else None
         per_rank.append(entry)
     ideal = sum(r["tokens_per_compute_s"] for r in per_rank)

@@ -37,7 +37,7 @@ import numpy as np
 
 from poise.balance.metrics import balance, idle_fraction
 from poise.diagnostics.run import RunData
-from poise.diagnostics.timeline import column, on_cpu_share
+from poise.diagnostics.timeline import column, cpus_busy, on_cpu_share
 
 VERDICTS = ("ok", "warn", "problem")
 
@@ -316,7 +316,7 @@ def cpu_contention(run: RunData) -> Finding:
     if not known.any():
         return Finding("cpu_contention", "ok", "no CPU seconds recorded (a timeline from before poise recorded them)",
                        threshold=threshold)
-    busy = column(steady, "cpu_s").sum(axis=1) / np.maximum(column(steady, "step_s").sum(axis=1), 1e-12)
+    busy = cpus_busy(steady)
     worst = int(np.argmin(np.where(known, share, np.inf)))
     verdict = _level(float(share[worst]), ON_CPU_WARN, ON_CPU_PROBLEM, below=True)
     evidence = {"on_cpu_share_per_rank": [_r(s) if np.isfinite(s) else None for s in share], "worst_rank": worst,

@@ -147,6 +147,15 @@ def column(table: np.ndarray, name: str) -> np.ndarray:
     return table[:, :, FIELDS.index(name)]
 
 
+def cpus_busy(table: np.ndarray) -> np.ndarray:
+    """Per rank, the CPUs its process kept busy over its steps, all its threads: ``cpu_s`` over
+    ``step_s`` (1.0: one core's worth; below 1 each on a machine with fewer cores than ranks ×
+    threads). NaN where not measured (a timeline from before CPU seconds were recorded)."""
+    cpu, step = column(table, "cpu_s").sum(axis=1), column(table, "step_s").sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(step > 0, cpu / step, np.nan)
+
+
 def on_cpu_share(table: np.ndarray) -> np.ndarray:
     """Per rank, the share (0..1) of its compute's wall seconds its training thread spent on a
     CPU: ``compute_cpu_s`` over ``compute_wall_s``, summed over the steps where both were

@@ -15,7 +15,10 @@ saves by itself against the delay-free run. Delays are sleeps (see
 cores lets the others run faster meanwhile; at 2 workers each has its own core and a delay is
 time lost.
 
-Per run: throughput (trained samples/s over the training steps) against the delay-free run
+Per run: throughput (trained samples/s over the training steps after the first, the window
+of the CPU figures below; the job's time in steps is the busiest rank's, its step times
+summed: under deadline steps a stalled rank's step overlaps the others' next one, see
+:func:`poise.diagnostics.timeline.elapsed_s`) against the delay-free run
 of the same world size and seed (run first and again after each delay model's runs, and
 interpolated linearly to the time each run ended: this machine's speed moved by up to 17 %
 within one seed's runs, and bracketing every model's few runs cancels a drift that is steady
@@ -55,7 +58,8 @@ import numpy as np
 from poise.bench.balance import loss_at_tokens
 from poise.bench.cpu import cpu_trace, cpu_use
 from poise.bench.harness import output_dir, positive_ints, require_positive, run_train_job, save_results, show_table
-from poise.diagnostics.timeline import column, load_table
+from poise.diagnostics.report import steady_throughput
+from poise.diagnostics.timeline import column, elapsed_s, load_table
 from poise.straggler.delays import DelayModel
 from poise.straggler.predict import PREDICTORS, evaluate
 
@@ -123,11 +127,14 @@ def smoothed_loss_at(report: dict[str, Any], tokens: float, window: int = SMOOTH
     return float(curve[max(0, last - window):last, 1].mean())
 
 
-def time_to_loss(report: dict[str, Any], target: float, window: int = SMOOTH_STEPS) -> float | None:
-    """Seconds of training steps until the running mean (``window`` steps) of the training
-    loss first reaches ``target``; None: never."""
-    losses = np.array([v for _, v in report["loss_curve"]])
-    times = np.cumsum(report["step_s_per_step"])
+def time_to_loss(curve: list[list[float]], elapsed: list[float], target: float,
+                 window: int = SMOOTH_STEPS) -> float | None:
+    """Seconds of training steps (``elapsed``: the job's time in steps by each step's end,
+    :func:`poise.diagnostics.timeline.elapsed_s`) until the running mean (``window`` steps) of
+    the training loss (``curve``: the report's ``loss_curve``) first reaches ``target``; None:
+    never."""
+    losses = np.array([v for _, v in curve])
+    times = np.asarray(elapsed)
     for s in range(window, len(losses) + 1):
         if losses[s - window:s].mean() <= target + 1e-12:
             return float(times[s - 1])
@@ -137,7 +144,7 @@ def time_to_loss(report: dict[str, Any], target: float, window: int = SMOOTH_STE
 CPU_TRACE = "cpu.txt"  # per job: the machine's CPU time while it ran (poise.bench.cpu.cpu_trace)
 
 
-def _cpu_row(job: Path) -> dict[str, float | None]:
+def _cpu_row(job: Path, table: np.ndarray) -> dict[str, float | None]:
     """CPU figures over the job's training steps after the first (None where not measured):
 
     - ``cores_busy``: the share of all the machine's cores busy (its CPU trace);
@@ -147,8 +154,9 @@ def _cpu_row(job: Path) -> dict[str, float | None]:
       moves with the machine's speed and the micro-batches' shapes, not with scheduling;
     - ``cpu_outside_compute``: the share of the ranks' processes' CPU (``cpu_s``) spent
       outside forward and backward: data, optimizer, communication threads, the deadline
-      machinery (claims, watchdog, count all-reduce)."""
-    table = load_table(job / "timeline.npz")
+      machinery (claims, watchdog, count all-reduce).
+
+    ``table``: the job's timeline."""
     starts, steps = column(table, "start_time_s")[:, 1:], column(table, "step_s")[:, 1:]
     samples = float(column(table, "samples")[:, 1:].sum())
     cpu, compute = (float(column(table, name)[:, 1:].sum()) for name in ("cpu_s", "compute_cpu_s"))
@@ -166,20 +174,24 @@ def _cpu_row(job: Path) -> dict[str, float | None]:
 
 def _row(name: str, world: int, model: str, mode: str, seed: int, rep: dict[str, Any], out: Path) -> dict[str, Any]:
     steps = np.asarray(rep["step_s_per_step"][1:])  # the first step builds buckets and warms up
+    table = load_table(out / name / "timeline.npz")
     summaries = [s for s in rep.get("straggler") or [] if s]
     planned = sum(s["micro_planned"] for s in summaries)
     dup, _ = duplicates_per_epoch(out / name)
     return {
-        **_cpu_row(out / name),
+        **_cpu_row(out / name, table),
         "run": name, "world_size": world, "delay_model": model, "mode": mode, "seed": seed,
         "finished_s": (out / name / "report.json").stat().st_mtime,  # wall clock, for the reference's drift
-        "throughput_samples_per_s": rep["throughput_samples_per_s"],
+        # over the steps after the first, like the CPU figures (from the timeline, so --from
+        # recomputes it for runs whose reports summed each step's slowest rank)
+        "throughput_samples_per_s": steady_throughput(table)[0],
         "p50_step_s": float(np.median(steps)), "p99_step_s": float(np.quantile(steps, 0.99)),
         "deferred_share": sum(s["micro_deferred"] for s in summaries) / planned if planned else 0.0,
         "stale_steps": sum(s["stale_steps"] for s in summaries),
         "samples_duplicated": dup,
         "tokens": rep["loss_curve"][-1][0],
         "_report": rep,
+        "_elapsed_s": elapsed_s(table).tolist(),
     }
 
 
@@ -323,6 +335,7 @@ def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
                             ("samples_duplicated", "dup", str), ("deferred_share", "deferred", lambda v: f"{v:.1%}")])
     for r in rows:
         r.pop("_report")
+        r.pop("_elapsed_s")
     save_results(out, "stragglers", {**setup,
                                      "models": {m: CHOICES[m] for m in models},
                                      "runs": rows, "summary": table, "predictors": scores, "epoch_checks": checks})
@@ -374,7 +387,7 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         r["loss_vs_delay_free"] = loss / ref_loss - 1.0
         # the delay-free run's smoothed loss where the shortest run of the world size ends
         target = smoothed_loss_at(ref["_report"], tokens)
-        t, t_ref = time_to_loss(r["_report"], target), time_to_loss(ref["_report"], target)
+        t, t_ref = (time_to_loss(x["_report"]["loss_curve"], x["_elapsed_s"], target) for x in (r, ref))
         r["time_to_loss_s"] = t
         r["time_to_loss_vs_delay_free"] = None if t is None or not t_ref else t / t_ref
 

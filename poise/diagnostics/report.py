@@ -7,8 +7,10 @@ Definitions (all over the measured steps, per-rank compute Tᵢ = forward + own 
 - ``comm_fraction``: share of step time blocked in communication *beyond* waiting for the
   slowest rank (Σ max(0, blocked − idle) / Σ step time), so imbalance is not counted twice.
 - ``blocked_fraction``: share of step time blocked in communication, waiting included.
-- throughput: samples (real tokens) of all ranks / summed step time (a step lasts as long
-  as its slowest rank).
+- throughput: samples (real tokens) of all ranks / the job's time in steps (the rank with
+  the most, its step times summed: :func:`poise.diagnostics.timeline.elapsed_s`; under
+  synchronous steps, each step's slowest rank); ``steady_throughput_*``: the same over the
+  steps after the warm-up (below).
 - ``padding_waste``: padded tokens computed per real token, minus 1 (0 = no padding).
 - ``ideal_tokens_per_s``: the sum of the ranks' own speeds (real tokens per second of their
   compute); ``throughput_vs_ideal`` = steady throughput / ideal, the share of the ranks'
@@ -35,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from poise.balance.metrics import balance, idle_fraction
-from poise.diagnostics.timeline import column, cpus_busy, on_cpu_share, save_table, write_chrome_trace
+from poise.diagnostics.timeline import column, cpus_busy, elapsed_s, on_cpu_share, save_table, write_chrome_trace
 from poise.files import write_json_atomic
 
 WARMUP_STEPS = 1
@@ -48,6 +50,17 @@ _PER_RANK_FIELDS = (
 def _steady(table: np.ndarray) -> np.ndarray:
     """Drop warm-up steps unless that would leave nothing."""
     return table[:, WARMUP_STEPS:] if table.shape[1] > WARMUP_STEPS else table
+
+
+def steady_throughput(table: np.ndarray) -> tuple[float, float]:
+    """Samples and real tokens per second over the steps after the warm-up (``[ranks, steps,
+    fields]``; all steps when there are no others): what a run settles at, without the first
+    step's bucket rebuild and lazy allocations, which cost some setups more than others."""
+    steady = _steady(table)
+    seconds = float(elapsed_s(steady)[-1])
+    if seconds <= 0:
+        return 0.0, 0.0
+    return float(column(steady, "samples").sum()) / seconds, float(column(steady, "tokens").sum()) / seconds
 
 
 def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
@@ -65,8 +78,8 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
     samples = column(table, "samples").sum()
     tokens = column(table, "tokens").sum()
     padded = column(table, "padded_tokens").sum()
-    # Steps are synchronous: a step lasts as long as its slowest rank.
-    total_s = float(column(table, "step_s").max(axis=0).sum())
+    elapsed = elapsed_s(table)
+    total_s = float(elapsed[-1])
     steady_step_s = float(np.median(step_s.max(axis=1)))
     # per step, the ranks' losses weighted by their real tokens (as the gradient is)
     step_tokens = column(table, "tokens")
@@ -92,18 +105,21 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
     raw, wire = column(steady, "raw_bytes"), column(steady, "wire_bytes")
     inter_raw, inter_wire = column(steady, "inter_node_raw_bytes"), column(steady, "inter_node_wire_bytes")
     busy, hidden = column(steady, "comm_busy_s"), column(steady, "comm_hidden_s")
-    steady_tput = float(column(steady, "tokens").sum() / step_s.max(axis=1).sum())
+    steady_samples_per_s, steady_tput = steady_throughput(table)
     step_balance = [balance(row) for row in compute]
     return {
         "steps": int(table.shape[1]),
         "throughput_samples_per_s": float(samples / total_s),
         "throughput_tokens_per_s": float(tokens / total_s),
+        "steady_throughput_samples_per_s": steady_samples_per_s,
+        "steady_throughput_tokens_per_s": steady_tput,
         "median_step_s": steady_step_s,
         "balance": float(np.mean(step_balance)),
         "balance_last_half": float(np.mean(step_balance[len(step_balance) // 2 :])),
         # every step's balance, the first included (step 0 is left out of the means above)
         "balance_per_step": [float(balance(row)) for row in column(table, "compute_s").T],
         "step_s_per_step": [float(v) for v in column(table, "step_s").max(axis=0)],  # the slowest rank's, seconds
+        "elapsed_s_per_step": [float(v) for v in elapsed],  # the job's time in steps by each step's end, seconds
         "idle_fraction": idle_fraction(compute),
         "comm_fraction": float(np.clip(blocked - idle, 0, None).sum() / step_s.sum()),
         "blocked_fraction": float(blocked.sum() / step_s.sum()),

@@ -37,7 +37,7 @@ import numpy as np
 
 from poise.balance.metrics import balance, idle_fraction
 from poise.diagnostics.run import RunData
-from poise.diagnostics.timeline import column, cpus_busy, on_cpu_share
+from poise.diagnostics.timeline import column, cpus_busy, elapsed_s, on_cpu_share
 
 VERDICTS = ("ok", "warn", "problem")
 
@@ -283,7 +283,7 @@ def checkpoint_stalls(run: RunData) -> Finding:
     if not saves:
         return Finding("checkpoint_stalls", "ok", "no checkpoints recorded", {"saves": 0})
     stall = float(sum(float(s.get("stall_s", 0.0)) for s in saves))
-    train_s = float(column(run.table, "step_s").max(axis=0).sum())
+    train_s = float(elapsed_s(run.table)[-1])
     share = stall / max(train_s, 1e-12)
     verdict = _level(share, STALL_WARN, STALL_PROBLEM)
     worst = max(float(s.get("stall_s", 0.0)) for s in saves)

@@ -147,6 +147,20 @@ def column(table: np.ndarray, name: str) -> np.ndarray:
     return table[:, :, FIELDS.index(name)]
 
 
+def elapsed_s(table: np.ndarray) -> np.ndarray:
+    """Seconds the job had spent in its steps by the end of each step (``[steps]``): per rank
+    its own step seconds summed (each rank's own clock, so hosts need not agree on the time),
+    the latest rank at every step; the last entry is the job's time in steps.
+
+    Why not each step's slowest rank, summed: under deadline steps a rank whose stall outlasted
+    a reduction (the watchdog entered it for the rank) ends its step while the others are
+    already in their next one, and summing each step's slowest rank counts that overlap twice
+    (7 % of a 40-step run at 4 ranks under Pareto delays, ``runs/s37-normal``). Under
+    synchronous steps the two agree: every rank leaves each all-reduce at the same moment.
+    """
+    return column(table, "step_s").cumsum(axis=1).max(axis=0)
+
+
 def cpus_busy(table: np.ndarray) -> np.ndarray:
     """Per rank, the CPUs its process kept busy over its steps, all its threads: ``cpu_s`` over
     ``step_s`` (1.0: one core's worth; below 1 each on a machine with fewer cores than ranks ×

@@ -22,7 +22,8 @@ def _row(name: str, mode: str, finished_s: float, samples_per_s: float, seed: in
             "cores_busy": busy, "cpu_ms_per_sample": cpu_ms, "compute_cpu_ms_per_sample": compute_ms,
             "cpu_outside_compute": None if compute_ms is None else 0.02, "p50_step_s": 1.0, "p99_step_s": 1.0,
             "deferred_share": 0.0, "samples_duplicated": 0,
-            "tokens": curve[-1][0], "_report": {"loss_curve": curve, "step_s_per_step": [1.0] * 12, "config": config}}
+            "tokens": curve[-1][0], "_report": {"loss_curve": curve, "step_s_per_step": [1.0] * 12, "config": config},
+            "_elapsed_s": [1.0 + i for i in range(12)]}
 
 
 def test_a_run_between_the_delay_free_runs_is_compared_with_their_speed_at_its_time():
@@ -96,7 +97,7 @@ def test_the_ranks_compute_cpu_and_the_share_outside_it_come_from_their_timeline
     if not measured:  # a timeline of an earlier poise: no CPU fields
         table[:, :, FIELDS.index("cpu_s")] = table[:, :, FIELDS.index("compute_cpu_s")] = np.nan
     save_table(table, tmp_path / "timeline.npz")
-    row = _cpu_row(tmp_path)
+    row = _cpu_row(tmp_path, table)
     if measured:
         assert row["compute_cpu_ms_per_sample"] == pytest.approx(1000 * 0.09 / 8)
         assert row["cpu_outside_compute"] == pytest.approx(0.1)

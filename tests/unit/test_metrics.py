@@ -24,3 +24,35 @@ def test_idle_fraction():
     assert idle_fraction(t) == pytest.approx(1.0 / 6.0)
     with pytest.raises(ValueError):
         idle_fraction(np.array([1.0, 2.0]))
+
+
+def _table(step_s: list[list[float]]) -> np.ndarray:
+    """A gathered timeline of ``step_s`` (``[ranks][steps]``), 10 samples of 100 tokens per rank-step."""
+    from poise.diagnostics.timeline import FIELDS
+
+    steps = np.asarray(step_s)
+    table = np.zeros((*steps.shape, len(FIELDS)))
+    table[:, :, FIELDS.index("step_s")] = steps
+    table[:, :, FIELDS.index("forward_s")] = 0.5
+    table[:, :, FIELDS.index("samples")] = 10
+    table[:, :, FIELDS.index("tokens")] = 100
+    return table
+
+
+def test_throughput_counts_a_step_that_overlaps_the_next_once():
+    from poise.diagnostics.report import steady_throughput, summarize
+    from poise.diagnostics.timeline import elapsed_s
+
+    # deadline steps: rank 1 stalls 0.5 s past step 1's reduction (the watchdog entered it for
+    # the rank) and starts step 2 late, with 0.5 s left; both ranks spend 4 s in 4 steps.
+    overlapping = _table([[1.0, 1.0, 1.0, 1.0], [1.0, 1.5, 0.5, 1.0]])
+    assert elapsed_s(overlapping).tolist() == [1.0, 2.5, 3.0, 4.0]
+    report = summarize(overlapping)
+    assert report["throughput_samples_per_s"] == pytest.approx(80 / 4.0)  # not 80 / 4.5: each step's slowest
+    assert report["elapsed_s_per_step"][-1] == pytest.approx(4.0)
+    assert report["step_s_per_step"] == [1.0, 1.5, 1.0, 1.0]  # a step's slowest rank, as before
+    assert steady_throughput(overlapping) == (pytest.approx(60 / 3.0), pytest.approx(600 / 3.0))
+    assert report["steady_throughput_samples_per_s"] == pytest.approx(20.0)
+    # synchronous steps: every rank leaves each all-reduce together; the same as each step's slowest
+    synchronous = _table([[1.0, 2.0, 1.0], [1.0, 2.0, 1.0]])
+    assert summarize(synchronous)["throughput_samples_per_s"] == pytest.approx(60 / 4.0)

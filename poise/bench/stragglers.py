@@ -31,7 +31,7 @@ processes' CPU spent outside forward and backward (what a mode's machinery costs
 within one run, so the machine's speed hardly moves it) and their compute CPU per sample
 against delay-free (the machine's speed, and the micro-batches' shapes: the delay-free run
 computes each rank's batch at once, the other modes in micro-batches, padded only to their own
-longest sample); p50 and p99 step time, the
+longest sample); p50 and p99 step time (the growth of the job's time in steps), the
 share of planned micro-batches deferred, training loss at equal real tokens against
 delay-free (mean over seeds), wall time to the delay-free run's loss, and samples trained
 twice within an epoch (from the per-step sample records). Medians over seeds. Then every
@@ -173,8 +173,11 @@ def _cpu_row(job: Path, table: np.ndarray) -> dict[str, float | None]:
 
 
 def _row(name: str, world: int, model: str, mode: str, seed: int, rep: dict[str, Any], out: Path) -> dict[str, Any]:
-    steps = np.asarray(rep["step_s_per_step"][1:])  # the first step builds buckets and warms up
     table = load_table(out / name / "timeline.npz")
+    elapsed = elapsed_s(table)
+    # each step as the job lived it (the growth of its time in steps), after the first, which
+    # builds buckets and warms up; not each step's slowest rank: see elapsed_s
+    steps = np.diff(elapsed)
     summaries = [s for s in rep.get("straggler") or [] if s]
     planned = sum(s["micro_planned"] for s in summaries)
     dup, _ = duplicates_per_epoch(out / name)
@@ -191,7 +194,7 @@ def _row(name: str, world: int, model: str, mode: str, seed: int, rep: dict[str,
         "samples_duplicated": dup,
         "tokens": rep["loss_curve"][-1][0],
         "_report": rep,
-        "_elapsed_s": elapsed_s(table).tolist(),
+        "_elapsed_s": elapsed.tolist(),
     }
 
 

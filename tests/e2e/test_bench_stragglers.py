@@ -37,6 +37,10 @@ def test_bench_stragglers_slice_writes_its_rows(tmp_path):
     wall = column(table, "compute_wall_s")
     assert 0 < wall.sum() < column(table, "compute_s").sum()
     assert column(table, "compute_cpu_s").sum() <= 1.02 * wall.sum()  # one thread: on a CPU at most all along
+    # throughput over the steps after the first, on the job's time in steps: the report's steady figure
+    report = json.loads((tmp_path / "w2-bernoulli-deadline-s0" / "report.json").read_text())
+    assert runs["w2-bernoulli-deadline-s0"]["throughput_samples_per_s"] == pytest.approx(
+        report["steady_throughput_samples_per_s"])
     # the reference: the delay-free runs around the delayed ones, interpolated in time (each its own)
     assert runs["w2-delay-free-s0"]["throughput_vs_delay_free"] == 1.0
     assert runs["w2-delay-free-after-bernoulli-s0"]["throughput_vs_delay_free"] == 1.0

@@ -88,7 +88,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
     losses = loss_scale * weighted.sum(axis=0) / np.maximum(step_tokens.sum(axis=0), 1)
     k = max(1, min(5, len(losses) // 4))
     per_rank = []
-    busy, on_cpu = cpus_busy(steady), on_cpu_share(steady)
+    cpus, on_cpu = cpus_busy(steady), on_cpu_share(steady)
     for r in range(table.shape[0]):
         one = steady[r : r + 1]
         entry: dict[str, Any] = {"rank": r}
@@ -98,7 +98,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         entry["tokens_per_s"] = float(column(one, "tokens").sum() / column(one, "step_s").sum())
         entry["tokens_per_compute_s"] = float(column(one, "tokens").sum() / column(one, "compute_s").sum())
         # CPUs the rank's process kept busy; the share of its compute its training thread was on a CPU
-        entry["cpus_busy"] = float(busy[r]) if np.isfinite(busy[r]) else None
+        entry["cpus_busy"] = float(cpus[r]) if np.isfinite(cpus[r]) else None
         entry["compute_on_cpu"] = float(on_cpu[r]) if np.isfinite(on_cpu[r]) else None
         per_rank.append(entry)
     ideal = sum(r["tokens_per_compute_s"] for r in per_rank)

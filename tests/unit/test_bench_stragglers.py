@@ -22,7 +22,7 @@ def _row(name: str, mode: str, finished_s: float, samples_per_s: float, seed: in
             "cores_busy": busy, "cpu_ms_per_sample": cpu_ms, "compute_cpu_ms_per_sample": compute_ms,
             "cpu_outside_compute": None if compute_ms is None else 0.02, "p50_step_s": 1.0, "p99_step_s": 1.0,
             "deferred_share": 0.0, "samples_duplicated": 0,
-            "tokens": curve[-1][0], "_report": {"loss_curve": curve, "step_s_per_step": [1.0] * 12, "config": config},
+            "tokens": curve[-1][0], "_report": {"loss_curve": curve, "config": config},
             "_elapsed_s": [1.0 + i for i in range(12)]}
 
 

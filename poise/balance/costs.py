@@ -7,7 +7,7 @@ second of its own compute, so speeds of different ranks compare directly and onl
 ratios matter to the planner.
 
 α is known in advance only roughly (≈ 1/(6·d_model) from counting FLOPs); :func:`fit_alpha`
-refines it from measured step times by least squares, t ≈ a·ΣL + b·ΣL², α = b/a.
+refines it from measured step times by least squares in relative error, t ≈ a·ΣL + b·ΣL², α = b/a.
 """
 
 from __future__ import annotations
@@ -95,19 +95,25 @@ def padded_cost(cost_fn: CostFn, lengths: np.ndarray) -> float:
 def fit_alpha(linear_terms: np.ndarray, quadratic_terms: np.ndarray, times_s: np.ndarray) -> float | None:
     """Least-squares α from per-step (ΣL, ΣL², seconds) of one rank.
 
-    Fits t = a·ΣL + b·ΣL² (no intercept: an empty batch costs nothing) and returns b/a, or
-    None when the data cannot tell (too few steps, no spread in lengths, or a fit that is not
-    physical: a ≤ 0 or b < 0).
+    Fits t = a·ΣL + b·ΣL² (no intercept: an empty batch costs nothing) in *relative* error,
+    each step weighted by 1/t, and returns b/a, or None when the data cannot tell (too few
+    steps, no spread in lengths, or a fit that is not physical: a ≤ 0 or b < 0).
+
+    Why relative: a step's balance is a ratio of the ranks' times, so a cost model is as good
+    as its relative error per step. Fitted in seconds, the few steps of many short samples
+    (2.5 s against 0.8 s for most steps of code-lm) decided α alone: on one run the unweighted
+    fit gave a full-speed rank α ≈ 3·10⁻⁵, the weighted one 3.4·10⁻⁴ (``runs/s38-abc``, run c).
     """
     x = np.stack([np.asarray(linear_terms, float), np.asarray(quadratic_terms, float)], axis=1)
     t = np.asarray(times_s, dtype=np.float64)
-    if len(t) < 4 or not np.all(np.isfinite(x)) or not np.all(np.isfinite(t)):
+    if len(t) < 4 or not np.all(np.isfinite(x)) or not np.all(np.isfinite(t)) or np.any(t <= 0):
         return None
+    x = x / t[:, None]  # rows of x·(a, b) ≈ 1: relative residuals
     # Scale columns so the solve is well conditioned (ΣL² is ~1000x ΣL).
     scale = np.abs(x).max(axis=0)
     if np.any(scale == 0):
         return None
-    coef, *_ = np.linalg.lstsq(x / scale, t, rcond=None)
+    coef, *_ = np.linalg.lstsq(x / scale, np.ones(len(t)), rcond=None)
     a, b = coef / scale
     if a <= 0 or b < 0:
         return None
@@ -115,17 +121,30 @@ def fit_alpha(linear_terms: np.ndarray, quadratic_terms: np.ndarray, times_s: np
 
 
 def measured_speeds(cost_s: np.ndarray, compute_s: np.ndarray) -> np.ndarray:
-    """Per-rank speed in cost units per second: Σ cost / Σ compute seconds over a window.
+    """Per-rank speed in cost units per second: the geometric mean, over a window of steps, of
+    each step's cost / compute seconds.
+
+    Why not Σ cost / Σ compute seconds: that weights each step by its length in time, so it
+    predicts a window's total time, while a step's balance is the ratio of the ranks' times in
+    *that* step. The geometric mean centres each step's predicted log time ratio on zero: on
+    one run of ``poise bench balance`` (c, ``runs/s38-abc``) the ratio estimate left rank 1
+    2.5 % slower than predicted on average, the geometric mean 0.9 % (replayed offline on that
+    run's timeline).
 
     Args:
         cost_s: ``[ranks, steps]`` cost units each rank processed per step.
         compute_s: ``[ranks, steps]`` each rank's compute seconds per step.
 
+    Steps where a rank measured no time or no cost are left out of that rank's mean.
+
     Raises:
-        ValueError: if a rank has no measured time.
+        ValueError: if a rank has no step with both.
     """
-    total_cost = np.asarray(cost_s, dtype=np.float64).sum(axis=1)
-    total_time = np.asarray(compute_s, dtype=np.float64).sum(axis=1)
-    if np.any(total_time <= 0) or np.any(total_cost <= 0):
-        raise ValueError(f"cannot estimate speeds: cost {total_cost.tolist()}, seconds {total_time.tolist()}")
-    return total_cost / total_time
+    cost = np.asarray(cost_s, dtype=np.float64)
+    seconds = np.asarray(compute_s, dtype=np.float64)
+    valid = (seconds > 0) & (cost > 0) & np.isfinite(seconds) & np.isfinite(cost)
+    if not np.all(valid.any(axis=1)):
+        raise ValueError(f"cannot estimate speeds: cost {cost.sum(axis=1).tolist()}, "
+                         f"seconds {seconds.sum(axis=1).tolist()}")
+    log_speed = np.log(np.where(valid, cost, 1.0) / np.where(valid, seconds, 1.0))
+    return np.exp(np.where(valid, log_speed, 0.0).sum(axis=1) / valid.sum(axis=1))

@@ -2,18 +2,25 @@
 
 Every rank records, per step, the padded cost terms of its own batch (n·Lmax and n·Lmax²)
 and its own compute seconds (from the timeline's probe, so waiting for others is excluded).
-At re-plan steps the ranks exchange their last ``window_steps`` records with one small
-all-gather, and every rank then computes the same thing from the same numbers:
+At re-plan steps the ranks exchange their records since the last change of speed (at most
+``HISTORY_STEPS``) with one small all-gather, and every rank then computes the same thing
+from the same numbers:
 
-1. α of the cost L + α·L² refitted from the window (when ``fit_alpha``) for every rank: each
-   rank's own α splits the steps (a rank throttled by a CPU quota measured 4x the α of its
-   unthrottled peer: it loses more on long samples), the median over ranks groups and
-   budgets them;
+1. α of the cost L + α·L² refitted (when ``fit_alpha``) for every rank from all those steps,
+   in relative error (:func:`~poise.balance.costs.fit_alpha`); the median over ranks groups
+   and budgets the steps and splits them, unless each rank's own α makes the per-step speeds
+   steadier by ``1 - PRECISER`` (:func:`speed_scatter`): then each rank's own α splits them
+   (a rank throttled by a CPU quota measured up to 4x the α of its unthrottled peer: it
+   loses more on long samples). α is a property of the device and the model, and a 20-step
+   window of code-lm holds few steps of short samples, so its fits swung by 10x from one
+   re-plan to the next;
 2. a change of speed: when the last ``RECENT_STEPS`` steps of some rank differ from the rest of
-   the window by more than ``CHANGE_Z`` standard errors (and by more than 10 %), the older
-   steps describe a device that is gone, and every rank drops them (:func:`estimate_speeds`);
-3. each rank's speed = Σ cost / Σ compute seconds over the window (in its own cost units),
-   and its relative standard error from the spread of the per-step speeds;
+   the last ``window_steps`` by more than ``CHANGE_Z`` standard errors (and by more than
+   10 %), the older steps describe a device that is gone, and every rank drops them
+   (:func:`estimate_speeds`);
+3. each rank's speed over the last ``window_steps`` steps (in its own cost units): the
+   geometric mean of the per-step speeds (:func:`~poise.balance.costs.measured_speeds`), and
+   its relative standard error from their spread;
 4. the new shares (:func:`choose_shares`): none when the move would be within the
    measurement's own noise (two standard errors); straight to the shares proportional to
    speed when every rank's estimate is confident (relative error ≤ ``confident_error``);
@@ -58,7 +65,8 @@ log = logging.getLogger(__name__)
 RECENT_STEPS = 5  # the steps compared with the rest of the window to notice a change of speed
 CHANGE_Z = 4.0  # standard errors between them that count as a change (not noise)
 MIN_CHANGE = 0.10  # ... and the smallest relative change of speed that does
-PRECISER = 0.9  # each rank's own α is used when it cuts the worst relative error of the speeds by 10 %
+PRECISER = 0.95  # each rank's own α is used when it cuts the worst per-step speed scatter by 5 %
+HISTORY_STEPS = 100  # the most steps α is fitted from (the seed's longest window)
 
 
 @dataclass(frozen=True)
@@ -101,9 +109,8 @@ def estimate_speeds(cost: np.ndarray, seconds: np.ndarray) -> SpeedEstimate:
         if np.any((z > CHANGE_Z) & (np.abs(m_new / m_old - 1.0) > MIN_CHANGE)):
             keep = RECENT_STEPS
     speeds = measured_speeds(cost[:, -keep:], seconds[:, -keep:])
-    window = per_step[:, -keep:]
-    if keep >= 2:
-        rel_error = np.nanstd(window, axis=1, ddof=1) / np.nanmean(window, axis=1) / np.sqrt(keep)
+    if keep >= 2:  # the standard error of the mean log speed: a relative error
+        rel_error = np.nanstd(np.log(per_step[:, -keep:]), axis=1, ddof=1) / np.sqrt(keep)
     else:
         rel_error = np.full(len(speeds), np.inf)
     return SpeedEstimate(speeds, rel_error, keep)
@@ -142,6 +149,18 @@ def next_shares(current: np.ndarray, speeds: np.ndarray, max_change: float) -> n
             break
         shares = clipped
     return shares / shares.sum()
+
+
+def speed_scatter(steps: np.ndarray, alphas: np.ndarray) -> float:
+    """The worst rank's standard deviation of log(cost / seconds) over ``steps``
+    (``[ranks, steps, 3]``: n·Lmax, n·Lmax², compute seconds, as :func:`window_terms`), each
+    rank's cost with its entry of ``alphas``: how far one step's speed strays from the
+    rank's typical one, which is what a step's balance loses to the cost model. A relative
+    number (0.05: 5 %)."""
+    cost = steps[:, :, 0] + np.asarray(alphas, dtype=np.float64)[:, None] * steps[:, :, 1]
+    seconds = steps[:, :, 2]
+    log_speed = np.log(np.where(seconds > 0, cost, np.nan) / np.where(seconds > 0, seconds, np.nan))
+    return float(np.max(np.nanstd(log_speed, axis=1)))
 
 
 def window_terms(batch_lengths: np.ndarray, compute_s: float) -> tuple[float, float, float]:
@@ -189,7 +208,10 @@ class DynamicPartitioner:
         self.fit_alpha = fit_alpha and isinstance(sampler.cost_fn, AttentionCost) and sampler.cost_fn.alpha > 0
         self.device = device or torch.device("cpu")
         self.shares = np.full(sampler.world_size, 1.0 / sampler.world_size)
-        self.window: deque[tuple[float, float, float]] = deque(maxlen=window_steps)
+        self.window_steps = window_steps
+        # the steps since the last change of speed (at most HISTORY_STEPS): α is fitted from
+        # all of them, speeds from the last ``window_steps``
+        self.window: deque[tuple[float, float, float]] = deque(maxlen=max(window_steps, HISTORY_STEPS))
         self.history: list[Replan] = []
 
     def observe(self, batch_lengths: np.ndarray, compute_s: float) -> None:
@@ -218,8 +240,18 @@ class DynamicPartitioner:
             every = torch.stack(parts).cpu().numpy()  # [ranks, steps, 3]
         else:
             every = mine.cpu().numpy()[None]
+        recent = every[:, -self.window_steps:]
         alpha = getattr(self.sampler.cost_fn, "alpha", None)
-        fitted = None
+        own = self.sampler.rank_cost_fns
+        adopted = own is not None and all(isinstance(f, AttentionCost) for f in own)
+        before_alphas = np.array([f.alpha for f in own]) if adopted else np.full(world, alpha or 0.0)
+        alphas = before_alphas
+        # A change of speed, judged in the current units: the older steps describe a device
+        # that is gone, for α too.
+        keep = estimate_speeds(recent[:, :, 0] + alphas[:, None] * recent[:, :, 1], recent[:, :, 2]).keep_steps
+        if keep < recent.shape[1]:
+            every = recent = recent[:, -keep:]
+            self._forget_before(keep)
         if self.fit_alpha:
             fits = [fit_alpha(every[r, :, 0], every[r, :, 1], every[r, :, 2]) for r in range(world)]
             known = [a for a in fits if a is not None]
@@ -227,33 +259,28 @@ class DynamicPartitioner:
                 alpha = float(np.median(known))
                 self.sampler.set_cost_fn(AttentionCost(alpha))
                 fitted = np.array([alpha if a is None else a for a in fits])  # a failed fit: the median
-        own = self.sampler.rank_cost_fns
-        adopted = own is not None and all(isinstance(f, AttentionCost) for f in own)
-        alphas = np.array([f.alpha for f in own]) if adopted else np.full(world, alpha or 0.0)
-
-        def costed(a: np.ndarray) -> SpeedEstimate:
-            return estimate_speeds(every[:, :, 0] + a[:, None] * every[:, :, 1], every[:, :, 2])
-
-        estimate = costed(alphas)
+                alphas = np.full(world, alpha)
+                # Each rank's own α is taken only from at least a full window of steps, and
+                # only when it makes the per-step speeds clearly steadier (they vary less once
+                # the cost is right): fitted from 9 steps, a half-speed rank's α came out 1/15
+                # of its peer's.
+                if every.shape[1] >= self.window_steps and \
+                        speed_scatter(every, fitted) < PRECISER * speed_scatter(every, alphas):
+                    alphas = fitted
+                self.sampler.set_rank_cost_fns(
+                    [AttentionCost(float(a)) for a in alphas] if np.any(alphas != alpha) else None)
         before = self.shares
-        self.shares, decision = choose_shares(before, estimate, self.max_share_change, self.confident_error)
+        if np.ptp(alphas) > 0 or np.ptp(before_alphas) > 0:
+            # Shares are in each rank's own cost units: put the current ones in the new units.
+            lin, quad = recent[:, :, 0].sum(axis=1), recent[:, :, 1].sum(axis=1)
+            before = before * (lin + alphas * quad) / (lin + before_alphas * quad)
+        estimate = estimate_speeds(recent[:, :, 0] + alphas[:, None] * recent[:, :, 1], recent[:, :, 2])
+        shares, decision = choose_shares(before, estimate, self.max_share_change, self.confident_error)
         if self._observed < self.cold_start_steps and decision != "jump":
-            self.shares, decision = before, "wait"  # the cold start: only a confident estimate acts
-        if fitted is not None and len(self.window) == self.window.maxlen:
-            # Each rank's own α is taken only from a full window, and only when it makes a
-            # confident estimate clearly more precise (the per-step speeds vary less once the
-            # cost is right): fitted from 9 steps, a half-speed rank's α came out 1/15 of its
-            # peer's. The current shares are first put in the new units.
-            lin, quad = every[:, :, 0].sum(axis=1), every[:, :, 1].sum(axis=1)
-            current = before * (lin + fitted * quad) / (lin + alphas * quad)
-            refit = costed(fitted)
-            shares, refit_decision = choose_shares(current, refit, self.max_share_change, self.confident_error)
-            if refit_decision == "jump" and np.max(refit.rel_error) < PRECISER * np.max(estimate.rel_error):
-                alphas, estimate, self.shares, decision = fitted, refit, shares, refit_decision
-                self.sampler.set_rank_cost_fns([AttentionCost(float(a)) for a in alphas])
-        if estimate.keep_steps < len(self.window):  # a change of speed: the older steps are stale
-            for _ in range(len(self.window) - estimate.keep_steps):
-                self.window.popleft()
+            shares, decision = self.shares, "wait"  # the cold start: only a confident estimate acts
+        self.shares = shares
+        if estimate.keep_steps < recent.shape[1]:  # seen only in the new units
+            self._forget_before(estimate.keep_steps)
         self.sampler.set_speeds(self.shares)
         event = Replan(step, estimate.speeds.tolist(), self.shares.tolist(), alpha,
                        [float(e) for e in estimate.rel_error], decision, estimate.keep_steps,
@@ -266,6 +293,11 @@ class DynamicPartitioner:
             "-" if alpha is None else " ".join(f"{a:.2e}" for a in alphas),
         )
         return event
+
+    def _forget_before(self, keep: int) -> None:
+        """Keep only the newest ``keep`` steps (a change of speed: the older ones are stale)."""
+        while len(self.window) > keep:
+            self.window.popleft()
 
     def state_dict(self) -> dict[str, Any]:
         return {"shares": self.shares.tolist(), "window": list(self.window),

@@ -39,12 +39,19 @@ often the re-planner reversed the direction of a share (oscillation), idle fract
 tokens/s (padding excluded), padding waste, and throughput against the ideal (the sum of the
 ranks' own measured speeds). Training loss is compared at the same number of real tokens,
 since the runs' batches differ. ``--runs`` picks some of them (e.g. ``c,e``).
+
+``--repeats N`` runs every job N times, interleaved (a, b, c, a, b, c, ...) so that the
+machine's drift falls on every run alike, and adds one row per run with the median of each
+figure over its repeats. Why: one step's balance is bounded by how much one step's compute
+varies on the machine, and that varies from run to run: on one 2-core machine the same
+code read 0.955 and 0.920 for (b) twenty minutes apart (``runs/s38-abc``, ``runs/s38-bcef``).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -102,6 +109,27 @@ def deadline_figures(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def median_row(run: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row with the median over ``rows`` (repeats of one run) of every numeric figure.
+
+    A figure that is None in some repeats (no deadline, never converged) is None in the
+    median when it is None in at least half of them, otherwise the median of the known ones;
+    for the steps to converge, "never" counts as later than any step.
+    """
+    out: dict[str, Any] = {"run": run, "repeats": len(rows)}
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+            continue
+        known = [v for v in values if v is not None]
+        if key == "converged_after_steps":  # never: later than any step
+            steps = float(np.median([math.inf if v is None else v for v in values]))
+            out[key] = None if math.isinf(steps) else steps
+        else:
+            out[key] = float(np.median(known)) if 2 * len(known) > len(values) else None
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=150, help="steps per run")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step (b, c: on average)")
@@ -114,12 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="limit per run, seconds")
     parser.add_argument("--runs", default="a,b,c,d,e,f,g,h,i",
                         help="which runs, by letter (a-i, comma-separated): e.g. c,e for the dynamic targets alone")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every job this many times, interleaved, and add the median of each figure")
     parser.add_argument("--out", default="", help="output directory (default runs/bench-balance-<timestamp>)")
     parser.add_argument("train_args", nargs="*", help="extra 'poise train' flags for every run, after --")
 
 
 def run(args: argparse.Namespace) -> int:
-    require_positive(args, "steps", "batch_size", "change_at", "timeout_s")
+    require_positive(args, "steps", "batch_size", "change_at", "timeout_s", "repeats")
     if not 0 < args.slow_speed <= 1:
         raise ValueError(f"--slow-speed={args.slow_speed} is outside (0, 1]")
     out = output_dir(args.out, "balance")
@@ -142,16 +172,19 @@ def run(args: argparse.Namespace) -> int:
     if not letters or any(x not in [name[0] for name in runs] for x in letters):
         raise ValueError(f"--runs={args.runs!r}: allowed are the letters a-i, comma-separated (e.g. c,e)")
     runs = {name: flags for name, flags in runs.items() if name[0] in letters}
-    reports = {name: run_train_job(name, out, [*common, *flags], args.timeout_s) for name, flags in runs.items()}
+    jobs = [(name if args.repeats == 1 else f"{name}-{k + 1}", name)
+            for k in range(args.repeats) for name in runs]  # interleaved: a, b, a, b, ...
+    reports = {job: run_train_job(job, out, [*common, *runs[name]], args.timeout_s) for job, name in jobs}
     common_tokens = min(r["loss_curve"][-1][0] for r in reports.values())
     rows: list[dict[str, Any]] = []
-    for name, rep in reports.items():
+    for job, name in jobs:
+        rep = reports[job]
         per_step = rep["balance_per_step"]
         cold = int(rep["config"]["balance"]["cold_start_steps"]) if "dynamic" in name else 1
         start = args.change_at if name.startswith("e-") else cold
         at = converged_at(per_step, start, args.target)
         rows.append({
-            "run": name,
+            "run": job,
             "balance": rep["balance"],
             "balance_last_half": rep["balance_last_half"],
             # steps after the cold start (e: after the change) until converged; None: never
@@ -173,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
             "slowdown": rep["emulated_slowdown"],
             "replans": rep["replans"],
         })
+    if args.repeats > 1:
+        rows += [median_row(f"{name} (median of {args.repeats})", [r for (job, n), r in zip(jobs, rows, strict=True)
+                                                                   if n == name]) for name in runs]
     show_table(
         f"poise bench balance: code-lm, 2 workers, {args.steps} steps, library defaults; rank 1 at speed "
         f"{args.slow_speed} in c, d, f, g, h, from step {args.change_at} in e; f: noise {args.noise}; "
@@ -182,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
             ("run", "run", str),
             ("balance", "balance", lambda v: f"{v:.3f}"),
             ("balance_last_half", "balance 2nd half", lambda v: f"{v:.3f}"),
-            ("converged_after_steps", f"steps to {args.target}", lambda v: "never" if v is None else f"{v}"),
+            ("converged_after_steps", f"steps to {args.target}", lambda v: "never" if v is None else f"{v:g}"),
             ("balance_after_converged", "balance then", lambda v: "-" if v is None else f"{v:.3f}"),
             ("balance_settled", f"from {SETTLE_STEPS} on", lambda v: "-" if v is None else f"{v:.3f}"),
             ("balance_settled_median", "(median)", lambda v: "-" if v is None else f"{v:.3f}"),
@@ -201,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     save_results(out, "balance", {
         "steps": args.steps, "common_tokens": common_tokens, "target": args.target,
         "converged_window_steps": CONVERGED_WINDOW, "change_at": args.change_at, "noise": args.noise,
+        "repeats": args.repeats,
         "runs": rows, "flags": {k: [*common, *v] for k, v in runs.items()},
     })
     return 0

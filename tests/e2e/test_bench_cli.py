@@ -58,6 +58,20 @@ def test_balance_bench_runs_nine_jobs_and_writes_json(tmp_path, cache_dir):
     assert runs["b-cost"]["padding_waste"] < runs["a-static"]["padding_waste"]
 
 
+@pytest.mark.timeout(240)
+def test_balance_bench_repeats_are_interleaved_and_get_a_median_row(tmp_path, cache_dir):
+    proc = run_poise("bench", "balance", "--runs", "a", "--repeats", "2", "--steps", "3", "--batch-size", "4",
+                     "--out", str(tmp_path), "--",
+                     "--max-seq-len", "128", "--task.cache_dir", str(cache_dir), "--task.eval_max_samples", "16",
+                     timeout_s=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "balance.json").read_text())
+    assert [r["run"] for r in data["runs"]] == ["a-static-1", "a-static-2", "a-static (median of 2)"]
+    assert (tmp_path / "a-static-2" / "report.json").is_file()
+    first, second, median = data["runs"]
+    assert median["balance"] == pytest.approx((first["balance"] + second["balance"]) / 2)
+
+
 def test_codecs_bench_kernel_and_training_tables(tmp_path):
     proc = run_poise("bench", "codecs", "--mbytes", "2", "--repeats", "1", "--warmup", "0", "--kernels", "fp16,sign",
                      "--codecs", "none,topk:ratio=0.25,alone", "--seeds", "2", "--steps", "6", "--out", str(tmp_path),

@@ -40,3 +40,14 @@ def test_deadline_figures_are_shares_of_the_planned_micro_batches():
     plain = {"replans": [], "straggler": [{"mode": "off", "micro_planned": 8, "micro_taken_over": 0,
                                            "micro_deferred": 0}, None]}
     assert bench.deadline_figures(plain) == {"rank1_share": 0.5, "taken_over": None, "deferred": None}
+
+
+def test_the_median_row_of_repeats_takes_each_figure_and_counts_never_as_latest():
+    rows = [{"run": "c-1", "balance": 0.91, "converged_after_steps": 0, "taken_over": None, "replans": [1]},
+            {"run": "c-2", "balance": 0.95, "converged_after_steps": None, "taken_over": None, "replans": []},
+            {"run": "c-3", "balance": 0.93, "converged_after_steps": 22, "taken_over": 0.1, "replans": []}]
+    row = bench.median_row("c (median of 3)", rows)
+    assert row == {"run": "c (median of 3)", "repeats": 3, "balance": pytest.approx(0.93),
+                   "converged_after_steps": 22.0, "taken_over": None}
+    # never in most repeats: never
+    assert bench.median_row("c", rows[1:2] * 2 + rows[:1])["converged_after_steps"] is None

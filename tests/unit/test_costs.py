@@ -4,7 +4,16 @@ import numpy as np
 import pytest
 
 from poise.balance.costs import AttentionCost, fit_alpha, measured_speeds
-from poise.balance.rebalance import RECENT_STEPS, SpeedEstimate, choose_shares, estimate_speeds, next_shares
+from poise.balance.rebalance import (
+    RECENT_STEPS,
+    DynamicPartitioner,
+    SpeedEstimate,
+    choose_shares,
+    estimate_speeds,
+    next_shares,
+    speed_scatter,
+)
+from poise.balance.sampler import BalancedBatchSampler
 
 
 def test_attention_cost():
@@ -27,11 +36,45 @@ def test_fit_alpha_declines_when_data_cannot_tell():
     assert fit_alpha(lin, lin**2, 5.0 - 0.01 * lin**2) is None  # negative quadratic term
 
 
-def test_measured_speeds():
+def test_fit_alpha_fits_relative_error_so_a_few_long_steps_do_not_decide_alpha():
+    rng = np.random.default_rng(1)
+    n = rng.integers(4, 16, size=40)
+    longest = rng.integers(64, 1024, size=40)
+    lin, quad = n * longest, n * longest**2.0
+    times = 2e-6 * (lin + 1e-3 * quad) * rng.normal(1.0, 0.02, size=40)
+    # two steps of many short samples, 4x slower than the model says (cache misses on big
+    # batches): in seconds they are the largest residuals, in relative error two of 42
+    lin, quad = np.append(lin, [40_000.0, 40_000.0]), np.append(quad, [4e6, 4e6])
+    times = np.append(times, 4 * 2e-6 * (40_000 + 1e-3 * 4e6) * np.ones(2))
+    assert fit_alpha(lin, quad, times) == pytest.approx(1e-3, rel=0.3)
+
+
+def test_fit_alpha_declines_nonpositive_times():
+    lin = np.arange(1.0, 11.0)
+    assert fit_alpha(lin, lin**2, np.zeros(10)) is None
+
+
+def test_measured_speeds_is_the_geometric_mean_of_the_steps_speeds():
     speeds = measured_speeds(np.array([[100.0, 100.0], [100.0, 100.0]]), np.array([[1.0, 1.0], [2.0, 2.0]]))
-    assert speeds.tolist() == [100.0, 50.0]
-    with pytest.raises(ValueError):
+    assert speeds == pytest.approx([100.0, 50.0])
+    # one short step and one long one: the geometric mean (200), not Σ cost / Σ time (160)
+    assert measured_speeds(np.array([[100.0, 100.0]]), np.array([[1.0, 0.25]])) == pytest.approx([200.0])
+    # a step without a measured time is left out
+    assert measured_speeds(np.array([[100.0, 100.0]]), np.array([[0.5, 0.0]])) == pytest.approx([200.0])
+    with pytest.raises(ValueError, match="cannot estimate speeds"):
         measured_speeds(np.ones((2, 2)), np.zeros((2, 2)))
+
+
+def test_speed_scatter_is_smaller_with_the_right_alpha():
+    rng = np.random.default_rng(2)
+    n = rng.integers(4, 16, size=(2, 30)).astype(float)
+    longest = rng.integers(64, 1024, size=(2, 30)).astype(float)
+    lin, quad = n * longest, n * longest**2
+    true = np.array([3e-4, 1e-3])
+    seconds = 1e-6 * (lin + true[:, None] * quad) * rng.normal(1.0, 0.01, size=(2, 30))
+    steps = np.stack([lin, quad, seconds], axis=2)
+    assert speed_scatter(steps, true) < 0.02
+    assert speed_scatter(steps, np.full(2, 6e-4)) > 2 * speed_scatter(steps, true)
 
 
 def test_next_shares_moves_at_most_the_limit_and_converges():
@@ -77,3 +120,33 @@ def test_choose_shares_holds_within_noise_jumps_when_confident_and_damps_otherwi
     unsure = SpeedEstimate(np.array([2.0, 1.0]), np.array([0.1, 0.1]), 20)
     shares, decision = choose_shares(current, unsure, 0.15, 0.05)
     assert decision == "damped" and shares[0] == pytest.approx(0.5 * 1.15)
+
+
+def _fed_partitioner(seconds_per_cost: list[float]) -> tuple[DynamicPartitioner, list]:
+    """One rank's partitioner fed one step per entry (its compute seconds per cost unit),
+    re-planning when due; returns it and its re-plans."""
+    lengths = np.random.default_rng(0).integers(16, 512, size=4000)
+    sampler = BalancedBatchSampler(lengths, rank=0, world_size=1, batch_cost=8_000, cost_fn=AttentionCost(1e-3))
+    part = DynamicPartitioner(sampler, cold_start_steps=5, window_steps=20, replan_every_steps=5)
+    rng = np.random.default_rng(1)
+    sampler.set_epoch(0)
+    for done, rate in enumerate(seconds_per_cost, start=1):
+        batch = lengths[sampler.global_batches(done - 1)[0]]
+        part.observe(batch, rate * len(batch) * AttentionCost(1e-3)(batch).max() * rng.normal(1.0, 0.01))
+        if part.due(done):
+            part.replan(done)
+    return part, part.history
+
+
+def test_alpha_is_fitted_from_the_history_and_speeds_from_the_last_window():
+    part, replans = _fed_partitioner([1e-6] * 61)
+    assert len(part.window) == 60  # every step after the first is kept for α (up to HISTORY_STEPS)
+    assert replans[-1].window_steps == 20  # the speed: the last window_steps of them
+    assert replans[-1].speeds[0] == pytest.approx(1e6, rel=0.02)
+    assert replans[-1].alpha == pytest.approx(1e-3, rel=0.1)
+
+
+def test_a_change_of_speed_drops_the_history_before_it():
+    part, replans = _fed_partitioner([1e-6] * 45 + [2e-6] * 5)
+    assert replans[-1].window_steps == RECENT_STEPS and len(part.window) == RECENT_STEPS
+    assert replans[-1].speeds[0] == pytest.approx(5e5, rel=0.03)

@@ -101,8 +101,9 @@ def fit_alpha(linear_terms: np.ndarray, quadratic_terms: np.ndarray, times_s: np
 
     Why relative: a step's balance is a ratio of the ranks' times, so a cost model is as good
     as its relative error per step. Fitted in seconds, the few steps of many short samples
-    (2.5 s against 0.8 s for most steps of code-lm) decided α alone: on one run the unweighted
-    fit gave a full-speed rank α ≈ 3·10⁻⁵, the weighted one 3.4·10⁻⁴ (``runs/s38-abc``, run c).
+    (2.5 s against 0.8 s for most steps of code-lm) decided α: over one whole run the fit in
+    seconds gave the full-speed rank α = 5.9·10⁻⁵ and its half-speed peer 4.0·10⁻⁴, the fit
+    in relative error 3.4·10⁻⁴ and 5.1·10⁻⁴ (``poise bench balance``, run c, ``runs/s38-abc``).
     """
     x = np.stack([np.asarray(linear_terms, float), np.asarray(quadratic_terms, float)], axis=1)
     t = np.asarray(times_s, dtype=np.float64)

@@ -151,14 +151,19 @@ def next_shares(current: np.ndarray, speeds: np.ndarray, max_change: float) -> n
     return shares / shares.sum()
 
 
+def step_costs(steps: np.ndarray, alphas: np.ndarray) -> np.ndarray:
+    """``[ranks, steps]`` cost units of each rank's batches, from the recorded terms ``steps``
+    (``[ranks, steps, 3]``, as :func:`window_terms`) with each rank's α."""
+    return steps[:, :, 0] + np.asarray(alphas, dtype=np.float64)[:, None] * steps[:, :, 1]
+
+
 def speed_scatter(steps: np.ndarray, alphas: np.ndarray) -> float:
     """The worst rank's standard deviation of log(cost / seconds) over ``steps``
     (``[ranks, steps, 3]``: n·Lmax, n·Lmax², compute seconds, as :func:`window_terms`), each
     rank's cost with its entry of ``alphas``: how far one step's speed strays from the
     rank's typical one, which is what a step's balance loses to the cost model. A relative
     number (0.05: 5 %)."""
-    cost = steps[:, :, 0] + np.asarray(alphas, dtype=np.float64)[:, None] * steps[:, :, 1]
-    seconds = steps[:, :, 2]
+    cost, seconds = step_costs(steps, alphas), steps[:, :, 2]
     log_speed = np.log(np.where(seconds > 0, cost, np.nan) / np.where(seconds > 0, seconds, np.nan))
     return float(np.max(np.nanstd(log_speed, axis=1)))
 
@@ -248,7 +253,7 @@ class DynamicPartitioner:
         alphas = before_alphas
         # A change of speed, judged in the current units: the older steps describe a device
         # that is gone, for α too.
-        keep = estimate_speeds(recent[:, :, 0] + alphas[:, None] * recent[:, :, 1], recent[:, :, 2]).keep_steps
+        keep = estimate_speeds(step_costs(recent, alphas), recent[:, :, 2]).keep_steps
         if keep < recent.shape[1]:
             every = recent = recent[:, -keep:]
             self._forget_before(keep)
@@ -275,7 +280,7 @@ class DynamicPartitioner:
             # Shares are in each rank's own cost units: put the current ones in the new units.
             lin, quad = recent[:, :, 0].sum(axis=1), recent[:, :, 1].sum(axis=1)
             before = before * (lin + alphas * quad) / (lin + before_alphas * quad)
-        estimate = estimate_speeds(recent[:, :, 0] + alphas[:, None] * recent[:, :, 1], recent[:, :, 2])
+        estimate = estimate_speeds(step_costs(recent, alphas), recent[:, :, 2])
         shares, decision = choose_shares(before, estimate, self.max_share_change, self.confident_error)
         if new_units and decision == "hold":
             # The converted shares are right only for the window's mix of lengths, not for each

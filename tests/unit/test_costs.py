@@ -20,12 +20,18 @@ def test_attention_cost():
     assert AttentionCost(0.5)(np.array([2.0, 4.0])).tolist() == [4.0, 12.0]
 
 
-def test_fit_alpha_recovers_a_known_alpha_from_noisy_times():
-    rng = np.random.default_rng(0)
-    n = rng.integers(1, 16, size=60)
-    longest = rng.integers(16, 1024, size=60)
+def _noisy_steps(seed: int, size: int, shortest: tuple[int, int], alpha: float, noise: float):
+    """Steps of n samples padded to ``longest`` (n from ``shortest[0]``, longest from
+    ``shortest[1]``, both random), their (n·L, n·L²) terms and times 2e-6·cost with relative noise."""
+    rng = np.random.default_rng(seed)
+    n = rng.integers(shortest[0], 16, size=size)
+    longest = rng.integers(shortest[1], 1024, size=size)
     lin, quad = n * longest, n * longest**2.0
-    times = 2e-6 * (lin + 1.5e-3 * quad) * rng.normal(1.0, 0.03, size=60)
+    return lin, quad, 2e-6 * (lin + alpha * quad) * rng.normal(1.0, noise, size=size)
+
+
+def test_fit_alpha_recovers_a_known_alpha_from_noisy_times():
+    lin, quad, times = _noisy_steps(0, 60, (1, 16), 1.5e-3, 0.03)
     assert fit_alpha(lin, quad, times) == pytest.approx(1.5e-3, rel=0.15)
 
 
@@ -37,11 +43,7 @@ def test_fit_alpha_declines_when_data_cannot_tell():
 
 
 def test_fit_alpha_fits_relative_error_so_a_few_long_steps_do_not_decide_alpha():
-    rng = np.random.default_rng(1)
-    n = rng.integers(4, 16, size=40)
-    longest = rng.integers(64, 1024, size=40)
-    lin, quad = n * longest, n * longest**2.0
-    times = 2e-6 * (lin + 1e-3 * quad) * rng.normal(1.0, 0.02, size=40)
+    lin, quad, times = _noisy_steps(1, 40, (4, 64), 1e-3, 0.02)
     # two steps of many short samples, 4x slower than the model says (cache misses on big
     # batches): in seconds they are the largest residuals, in relative error two of 42
     lin, quad = np.append(lin, [40_000.0, 40_000.0]), np.append(quad, [4e6, 4e6])

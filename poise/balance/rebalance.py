@@ -16,11 +16,13 @@ from the same numbers:
    re-plan to the next;
 2. a change of speed: when the last ``RECENT_STEPS`` steps of some rank differ from the rest of
    the last ``window_steps`` by more than ``CHANGE_Z`` standard errors (and by more than
-   10 %), the older steps describe a device that is gone, and every rank drops them
-   (:func:`estimate_speeds`);
+   10 %), relative to the other ranks in the same steps, the older steps describe a device
+   that is gone, and every rank drops them (:func:`estimate_speeds`);
 3. each rank's speed over the last ``window_steps`` steps (in its own cost units): the
    geometric mean of the per-step speeds (:func:`~poise.balance.costs.measured_speeds`), and
-   its relative standard error from their spread;
+   its relative standard error from the spread of its per-step speed relative to the other
+   ranks' in the same step (what the whole machine or a step's lengths do to every rank
+   cancels: it does not move the shares);
 4. the new shares (:func:`choose_shares`): none when the move would be within the
    measurement's own noise (two standard errors); straight to the shares proportional to
    speed when every rank's estimate is confident (relative error ≤ ``confident_error``);
@@ -92,6 +94,17 @@ def estimate_speeds(cost: np.ndarray, seconds: np.ndarray) -> SpeedEstimate:
         cost: ``[ranks, steps]`` cost units each rank processed per step.
         seconds: ``[ranks, steps]`` each rank's own compute seconds per step.
 
+    Only the ranks' speeds *relative to each other* decide the shares, so the change test and
+    the errors are taken on each step's log speed minus the mean of the other ranks' in that
+    step (a lone rank: 0). What all
+    ranks share in a step cancels there: the machine slowing down for everyone, and a cost
+    model that is off for the step's lengths (every rank's batch has about the same lengths).
+    On ``poise bench balance``'s equal ranks (b) the two ranks' per-step deviations from their
+    cost models correlated by 0.7-0.9, so the relative speeds scatter much less than either
+    rank's own; and a change of speed is a change of one rank against the others, not a run
+    of long-sample steps under an α that fits them badly (which had read as a doubling of
+    both ranks' speeds and dropped the history: run c, ``runs/s39-bce3``, step 65).
+
     Pure: every rank computes the same estimate from the same gathered numbers. O(ranks·steps).
 
     Raises:
@@ -100,17 +113,25 @@ def estimate_speeds(cost: np.ndarray, seconds: np.ndarray) -> SpeedEstimate:
     cost, seconds = np.asarray(cost, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
     steps = cost.shape[1]
     keep = steps
-    per_step = cost / np.where(seconds > 0, seconds, np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_speed = np.log(cost / np.where(seconds > 0, seconds, np.nan))
+    log_speed[~np.isfinite(log_speed)] = np.nan
+    # against the mean of the *other* ranks in the same step: the error of a speed ratio
+    known = np.isfinite(log_speed)
+    total, count = np.where(known, log_speed, 0.0).sum(axis=0), known.sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        others = np.where(count > 1, (total - log_speed) / (count - 1), log_speed)
+    relative = log_speed - others
     if steps >= 3 * RECENT_STEPS:
-        old, new = per_step[:, :-RECENT_STEPS], per_step[:, -RECENT_STEPS:]
-        m_old, m_new = np.nanmean(old, axis=1), np.nanmean(new, axis=1)
+        old, new = relative[:, :-RECENT_STEPS], relative[:, -RECENT_STEPS:]
+        shift = np.nanmean(new, axis=1) - np.nanmean(old, axis=1)
         se = np.sqrt(np.nanvar(old, axis=1, ddof=1) / old.shape[1] + np.nanvar(new, axis=1, ddof=1) / RECENT_STEPS)
-        z = np.abs(m_new - m_old) / np.maximum(se, 1e-12)
-        if np.any((z > CHANGE_Z) & (np.abs(m_new / m_old - 1.0) > MIN_CHANGE)):
+        z = np.abs(shift) / np.maximum(se, 1e-12)
+        if np.any((z > CHANGE_Z) & (np.abs(np.expm1(shift)) > MIN_CHANGE)):
             keep = RECENT_STEPS
     speeds = measured_speeds(cost[:, -keep:], seconds[:, -keep:])
-    if keep >= 2:  # the standard error of the mean log speed: a relative error
-        rel_error = np.nanstd(np.log(per_step[:, -keep:]), axis=1, ddof=1) / np.sqrt(keep)
+    if keep >= 2:  # the standard error of the mean relative log speed: a relative error
+        rel_error = np.nanstd(relative[:, -keep:], axis=1, ddof=1) / np.sqrt(keep)
     else:
         rel_error = np.full(len(speeds), np.inf)
     return SpeedEstimate(speeds, rel_error, keep)

@@ -34,7 +34,9 @@ are padded to their longest sample).
 For each: balance (whole run and second half), when it converged (:func:`converged_at`: the
 first step from which the median balance of the next ``CONVERGED_WINDOW`` steps is at least
 ``--target``), the balance from then on, the balance from ``SETTLE_STEPS`` steps after the
-cold start (e: after the change) to the end (what "converged within 20 steps" asks of), how
+cold start (e: after the change) to the end (what "converged within 20 steps" asks of), the
+ceiling over those steps (what a perfect plan would reach given how much one step's time
+strays from its cost model: :func:`~poise.balance.metrics.balance_ceiling`), how
 often the re-planner reversed the direction of a share (oscillation), idle fraction, real
 tokens/s (padding excluded), padding waste, and throughput against the ideal (the sum of the
 ranks' own measured speeds). Training loss is compared at the same number of real tokens,
@@ -57,6 +59,8 @@ from typing import Any
 import numpy as np
 
 from poise.bench.harness import output_dir, require_positive, run_train_job, save_results, show_table
+from poise.diagnostics.report import balance_ceiling_of
+from poise.diagnostics.timeline import load_table
 
 HELP = "static vs cost-aware vs dynamic sharding with a slow rank, and with deadline steps (code-lm, 2 workers)"
 
@@ -193,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
             # None: the run ends within SETTLE_STEPS steps of the cold start (or the change)
             "balance_settled": float(np.mean(settled)) if (settled := per_step[start + SETTLE_STEPS:]) else None,
             "balance_settled_median": float(np.median(settled)) if settled else None,
+            # what a perfect plan would reach over the same steps: the per-step noise's limit
+            "balance_ceiling_settled": balance_ceiling_of(
+                load_table(out / job / "timeline.npz")[:, start + SETTLE_STEPS:]),
             "share_reversals": reversals(rep["replans"]),
             "idle_fraction": rep["idle_fraction"],
             "throughput_tokens_per_s": rep["throughput_tokens_per_s"],
@@ -222,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             ("balance_after_converged", "balance then", lambda v: "-" if v is None else f"{v:.3f}"),
             ("balance_settled", f"from {SETTLE_STEPS} on", lambda v: "-" if v is None else f"{v:.3f}"),
             ("balance_settled_median", "(median)", lambda v: "-" if v is None else f"{v:.3f}"),
+            ("balance_ceiling_settled", "ceiling", lambda v: "-" if v is None else f"{v:.3f}"),
             ("share_reversals", "reversals", str),
             ("idle_fraction", "idle", lambda v: f"{v:.1%}"),
             ("throughput_tokens_per_s", "tokens/s", lambda v: f"{v:,.0f}"),

@@ -18,7 +18,10 @@ Definitions (all over the measured steps, per-rank compute Tᵢ = forward + own 
 - ``loss_curve``: training loss against cumulative real tokens, to compare runs whose
   batches differ at equal tokens rather than equal steps.
 - ``balance_last_half``: balance over the second half of the steps, after a dynamic
-  re-planner has had time to converge; ``balance_per_step``: every step's balance.
+  re-planner has had time to converge; ``balance_per_step``: every step's balance;
+  ``balance_ceiling_last_half``: over the same steps, the balance a perfect plan would reach
+  given how much one step's time strays from its cost model (:func:`balance_ceiling_of`): the
+  gap between the two is the plan's, the rest the machine's noise.
 - ``comm_overlap``: share of the time gradients were being reduced (from a bucket's hand-off
   to DDP until its reduction completed) that overlapped the rank's own backward compute,
   i.e. communication hidden by DDP's bucketing (``--bucket-mb``); ``comm_busy_s_per_step``
@@ -36,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from poise.balance.metrics import balance, idle_fraction
+from poise.balance.metrics import balance, balance_ceiling, idle_fraction
 from poise.diagnostics.timeline import column, cpus_busy, elapsed_s, on_cpu_share, save_table, write_chrome_trace
 from poise.files import write_json_atomic
 
@@ -61,6 +64,14 @@ def steady_throughput(table: np.ndarray) -> tuple[float, float]:
     if seconds <= 0:
         return 0.0, 0.0
     return float(column(steady, "samples").sum()) / seconds, float(column(steady, "tokens").sum()) / seconds
+
+
+def balance_ceiling_of(table: np.ndarray) -> float | None:
+    """:func:`~poise.balance.metrics.balance_ceiling` of a gathered timeline's steps
+    (``[ranks, steps, fields]``); None for one rank or too few steps."""
+    if table.shape[0] < 2:
+        return None
+    return balance_ceiling(column(table, "samples"), column(table, "padded_tokens"), column(table, "compute_s"))
 
 
 def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
@@ -116,6 +127,7 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "median_step_s": steady_step_s,
         "balance": float(np.mean(step_balance)),
         "balance_last_half": float(np.mean(step_balance[len(step_balance) // 2 :])),
+        "balance_ceiling_last_half": balance_ceiling_of(steady[:, len(step_balance) // 2 :]),
         # every step's balance, the first included (step 0 is left out of the means above)
         "balance_per_step": [float(balance(row)) for row in column(table, "compute_s").T],
         "step_s_per_step": [float(v) for v in column(table, "step_s").max(axis=0)],  # the slowest rank's, seconds

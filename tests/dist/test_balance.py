@@ -58,12 +58,12 @@ def test_unequal_batches_give_the_gradient_of_the_global_batch(codec, rtol, atol
     assert abs(loss_weight([np.array(b) for b in SPLIT], 0, np.array(LENGTHS) - 1) - 1.0) > 0.1
 
 
-def _replan(rank: int, world_size: int, noise: float, cold_start_steps: int = 3):
+def _replan(rank: int, world_size: int, noise: float, cold_start_steps: int = 3, slow_from: int = 0):
     lengths = np.random.default_rng(0).integers(16, 512, size=600)
     sampler = BalancedBatchSampler(lengths, rank=rank, world_size=world_size, batch_cost=20_000,
                                    cost_fn=AttentionCost(1e-3))
     part = DynamicPartitioner(sampler, cold_start_steps=cold_start_steps, window_steps=20, replan_every_steps=4)
-    slowness = 1.0 + rank  # rank r computes (1 + r)x slower: injected numbers, not sleeps
+    # rank r computes (1 + r)x slower (from step slow_from; 1x before): injected numbers, not sleeps
     rng = np.random.default_rng(rank)
     events, done, epoch = [], 0, 0
     while done < 80:
@@ -71,6 +71,7 @@ def _replan(rank: int, world_size: int, noise: float, cold_start_steps: int = 3)
         for step in range(len(sampler)):
             mine = sampler.global_batches(step)[rank]
             cost = AttentionCost(1e-3)(lengths[mine]).max() * len(mine)
+            slowness = 1.0 + rank if done >= slow_from else 1.0
             part.observe(lengths[mine], 1e-5 * cost * slowness * (1 + noise * rng.exponential()))
             done += 1
             if part.due(done):
@@ -110,6 +111,14 @@ def test_noisy_speeds_move_by_bounded_steps_and_settle():
     assert shares[-1] == pytest.approx(2 / 3, abs=0.05)
     flips = sum(1 for a, b, c in zip(shares, shares[1:], shares[2:], strict=False) if (b - a) * (c - b) < -1e-9)
     assert flips <= len(shares) // 4  # no oscillation: the direction of change rarely flips
+
+
+def test_a_rank_that_slows_mid_run_is_balanced_again_within_20_steps():
+    (events, _), _ = run_ranks(_replan, world_size=2, timeout_s=90, noise=0.1, slow_from=40)
+    before = [sh[0] for step, sh, _ in events if 20 <= step <= 40]
+    assert before and all(s == pytest.approx(0.5, abs=0.03) for s in before)  # equal speeds: about equal
+    after = [sh[0] for step, sh, _ in events if step >= 60]
+    assert after and all(s == pytest.approx(2 / 3, abs=0.03) for s in after)  # the older steps were dropped
 
 
 def _replan_unequal_alpha(rank: int, world_size: int):

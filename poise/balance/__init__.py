@@ -2,7 +2,7 @@
 weights for unequal batches, pipeline stage partitioning and layer profiling, the balance metric."""
 
 from poise.balance.costs import AttentionCost, as_cost_fn, linear_cost
-from poise.balance.metrics import balance, idle_fraction
+from poise.balance.metrics import balance, balance_ceiling, idle_fraction
 from poise.balance.partition import PlanSummary, describe_plan, partition, recommend, stage_times
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.sampler import BalancedBatchSampler, StaticSchedule, make_sampler
@@ -16,6 +16,7 @@ __all__ = [
     "StaticSchedule",
     "as_cost_fn",
     "balance",
+    "balance_ceiling",
     "describe_plan",
     "idle_fraction",
     "linear_cost",

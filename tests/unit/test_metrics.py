@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from poise.balance import balance, idle_fraction
+from poise.balance.metrics import balance_ceiling
 
 
 def test_balance_definition():
@@ -56,3 +57,28 @@ def test_throughput_counts_a_step_that_overlaps_the_next_once():
     # synchronous steps: every rank leaves each all-reduce together; the same as each step's slowest
     synchronous = _table([[1.0, 2.0, 1.0], [1.0, 2.0, 1.0]])
     assert summarize(synchronous)["throughput_samples_per_s"] == pytest.approx(60 / 4.0)
+
+
+def _steps(noise: np.ndarray, speeds=(2.0, 1.0), alpha=1e-3, steps=120):
+    """[ranks, steps] samples, padded tokens and seconds of bucketed steps: rank r's step takes
+    its padded cost / speeds[r], times exp(noise[r, step])."""
+    rng = np.random.default_rng(0)
+    length = rng.integers(50, 1000, size=steps).astype(float)
+    n = np.stack([np.full(steps, 8.0), np.full(steps, 4.0)])
+    padded = n * length
+    cost = padded + alpha * padded * length
+    return n, padded, cost / np.asarray(speeds)[:, None] * 1e-4 * np.exp(noise)
+
+
+def test_balance_ceiling_is_what_the_per_step_scatter_leaves():
+    rng = np.random.default_rng(1)
+    # times exactly as the cost model says, even with shares that do not match the speeds
+    assert balance_ceiling(*_steps(np.zeros((2, 120)))) == pytest.approx(1.0, abs=1e-6)
+    # what all ranks share in a step (the machine) costs no balance
+    common = np.repeat(0.2 * rng.standard_normal((1, 120)), 2, axis=0)
+    assert balance_ceiling(*_steps(common)) == pytest.approx(1.0, abs=1e-3)
+    # independent log-normal scatter of 0.1 per rank: the log ratio has sd 0.1·√2, and a
+    # step's balance is exp(-|log ratio|): about 0.896 on average
+    independent = 0.1 * rng.standard_normal((2, 120))
+    assert balance_ceiling(*_steps(independent)) == pytest.approx(0.896, abs=0.015)
+    assert balance_ceiling(*(a[:, :7] for a in _steps(independent))) is None  # too few steps

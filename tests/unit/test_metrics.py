@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
 
-from poise.balance import balance, idle_fraction
-from poise.balance.metrics import balance_ceiling
+from poise.balance import balance, balance_ceiling, idle_fraction
 
 
 def test_balance_definition():

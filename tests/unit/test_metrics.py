@@ -58,7 +58,8 @@ def test_throughput_counts_a_step_that_overlaps_the_next_once():
     assert summarize(synchronous)["throughput_samples_per_s"] == pytest.approx(60 / 4.0)
 
 
-def _steps(noise: np.ndarray, speeds=(2.0, 1.0), alpha=1e-3, steps=120):
+def _steps(noise: np.ndarray, speeds: tuple[float, float] = (2.0, 1.0), alpha: float = 1e-3,
+           steps: int = 120) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[ranks, steps] samples, padded tokens and seconds of bucketed steps: rank r's step takes
     its padded cost / speeds[r], times exp(noise[r, step])."""
     rng = np.random.default_rng(0)

@@ -31,6 +31,7 @@ user's, so a step could not know which one to weight).
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 from collections.abc import Callable
@@ -49,6 +50,7 @@ except ImportError:
 
 from poise.comm import builder as comm_builder
 from poise.config import CommConfig
+from poise.runtime import dist as rdist
 from poise.session import Session, Step
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,17 @@ class PoiseStrategy(DDPStrategy):
         self._loaded_state: dict[str, Any] | None = None
 
     # -- set-up: the session on Lightning's DDP model -------------------------------------------
+
+    def setup_environment(self) -> None:
+        """Lightning's set-up (it starts the process group), then destroy that group at exit.
+
+        Why: Lightning destroys it at exit for NCCL only. A gloo group left to the interpreter's
+        finalization can abort the process as it exits (``terminate called without an active
+        exception``, SIGABRT after ``fit`` returned: ``tests/e2e/test_integrations.py`` saw it),
+        so the job fails though training ended. No barrier here: a peer may already be gone.
+        """
+        super().setup_environment()
+        atexit.register(rdist.close, synchronize=False)
 
     def configure_ddp(self) -> None:
         """Wrap the model in DDP (Lightning's way), then make the session on it (poise's hook)."""

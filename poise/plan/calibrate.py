@@ -3,9 +3,12 @@
 Kept apart from prediction (``costs.py``, ``step.py``): these functions turn measurements
 (``poise diagnose busbw``'s ``busbw.json``, a single-worker ``report.json``, a layer profile,
 ``poise bench codecs``' kernel table) into the numbers a prediction takes, and say where each
-number came from. A two-point fit is exact; with three or more points it is Theil–Sen (the
-median of the pairwise slopes; Sen 1968), so that one call caught by the ~4 ms tail latency of
-small messages does not tilt the line, as it would a least-squares fit.
+number came from. A two-point fit is exact; with three or more points the slope is the
+median of the pairwise slopes weighted by their size differences (Theil 1950, Sen 1968, with
+Sievers' 1978 weights), so that calls caught by the ~4 ms tail latency of small messages do not
+tilt the line, as they would a least-squares fit. The weights matter on a geometric size
+ladder: most pairs join two small sizes, whose slope is latency noise over a few kB, and an
+unweighted median let them outvote the pairs that span the bandwidth-bound sizes.
 """
 
 from __future__ import annotations
@@ -19,16 +22,32 @@ from poise.plan.step import CodecSpeed, Compute
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Theil–Sen line ``t = a + b S`` through ``(S, t)`` points (exact through two).
+    """Robust line ``t = a + b S`` through ``(S, t)`` points (exact through two).
 
-    ``b`` is the median of the slopes between every pair of distinct sizes and ``a`` the median
-    of ``t - b S``: robust to outliers (breakdown point 29 %), O(n² log n) for n points.
+    ``b`` is the median of the slopes between every pair of distinct sizes, each weighted by
+    ``|S2 - S1|`` (a pair's slope error is its time noise over that span), and ``a`` the median
+    of ``t - b S``. O(n² log n) for n points.
     """
     if len(points) < 2 or len({s for s, _ in points}) < 2:
         raise ValueError(f"a fit needs at least two distinct sizes, got {[s for s, _ in points]}")
-    slopes = [(t2 - t1) / (s2 - s1) for i, (s1, t1) in enumerate(points) for s2, t2 in points[i + 1:] if s2 != s1]
-    b = statistics.median(slopes)
+    pairs = sorted(((t2 - t1) / (s2 - s1), abs(s2 - s1))
+                   for i, (s1, t1) in enumerate(points) for s2, t2 in points[i + 1:] if s2 != s1)
+    b = _weighted_median(pairs)
     return statistics.median(t - b * s for s, t in points), b
+
+
+def _weighted_median(sorted_pairs: Sequence[tuple[float, float]]) -> float:
+    """The value at half the total weight of sorted ``(value, weight > 0)`` pairs; the mean of
+    the two values that straddle it when the half falls exactly between them."""
+    half = sum(w for _, w in sorted_pairs) / 2
+    seen = 0.0
+    for i, (value, weight) in enumerate(sorted_pairs):
+        seen += weight
+        if seen > half:
+            return value
+        if seen == half:
+            return (value + sorted_pairs[i + 1][0]) / 2
+    return sorted_pairs[-1][0]
 
 
 def fit_ring_link(points: Sequence[tuple[float, float]], world_size: int) -> Link:

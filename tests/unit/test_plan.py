@@ -109,6 +109,16 @@ def test_ring_fit_survives_one_tail_latency_outlier() -> None:
         calibrate.fit_ring_link([(4096, 0.003), (16384, 0.002), (65536, 0.001)], 2)
 
 
+def test_ring_fit_lets_the_large_sizes_outvote_three_slow_small_ones() -> None:
+    # CI's busbw.json, 4K..16M: the three smallest sizes caught the tail latency; 12 of the 21
+    # pairwise slopes were negative and an unweighted Theil–Sen refused the file.
+    sizes = [4096 * 4**i for i in range(7)]
+    times = [0.010688, 0.003719, 0.003514, 0.000422, 0.000816, 0.003554, 0.012581]
+    fitted = calibrate.fit_ring_link(list(zip(sizes, times, strict=True)), 2)
+    clean = calibrate.fit_ring_link(list(zip(sizes[3:], times[3:], strict=True)), 2)
+    assert 1 / 1.5 < fitted.bandwidth_bytes_per_s / clean.bandwidth_bytes_per_s < 1.5
+
+
 def test_h200_published_table_within_ten_percent() -> None:
     from poise.bench.plan import h200_table
 

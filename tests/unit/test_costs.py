@@ -130,9 +130,24 @@ def test_choose_shares_holds_within_noise_jumps_when_confident_and_damps_otherwi
     sure = SpeedEstimate(np.array([2.0, 1.0]), np.array([0.01, 0.01]), 20)
     shares, decision = choose_shares(current, sure, 0.15, 0.05)
     assert decision == "jump" and shares == pytest.approx([2 / 3, 1 / 3])
-    unsure = SpeedEstimate(np.array([2.0, 1.0]), np.array([0.1, 0.1]), 20)
+    unsure = SpeedEstimate(np.array([2.0, 1.0]), np.array([0.15, 0.15]), 20)  # its band's edge: 0.433
     shares, decision = choose_shares(current, unsure, 0.15, 0.05)
     assert decision == "damped" and shares[0] == pytest.approx(0.5 * 1.15)
+
+
+def test_an_almost_confident_estimate_moves_to_the_near_edge_of_its_band() -> None:
+    # run c's first re-plan after the cold start: rank 1 at half speed, known to 7 %
+    current, target = np.array([0.5, 0.5]), np.array([2 / 3, 1 / 3])
+    shares, decision = choose_shares(current, SpeedEstimate(np.array([2.0, 1.0]), np.array([0.07, 0.07]), 9),
+                                     0.15, 0.05)
+    assert decision == "edge"
+    assert shares[1] == pytest.approx(target[1] * 1.14)  # two errors short of the target: not past it
+    assert abs(shares[1] / target[1] - 1) < abs(0.5 * 0.85 / target[1] - 1)  # closer than the damping
+    # from 15 % off, the damping reaches the target itself: it is taken
+    near = np.array([1 - target[1] * 1.15, target[1] * 1.15])
+    shares, decision = choose_shares(near, SpeedEstimate(np.array([2.0, 1.0]), np.array([0.06, 0.06]), 9),
+                                     0.15, 0.05)
+    assert decision == "damped" and shares == pytest.approx(target)
 
 
 def _fed_partitioner(seconds_per_cost: list[float]) -> tuple[DynamicPartitioner, list]:

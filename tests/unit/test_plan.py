@@ -110,7 +110,7 @@ def test_ring_fit_survives_one_tail_latency_outlier() -> None:
 
 
 def test_ring_fit_lets_the_large_sizes_outvote_three_slow_small_ones() -> None:
-    # CI's busbw.json, 4K..16M: the three smallest sizes caught the tail latency; 12 of the 21
+    # CI's busbw.json, 4K..16M: the three smallest sizes caught the tail latency; 11 of the 21
     # pairwise slopes were negative and an unweighted Theil–Sen refused the file.
     sizes = [4096 * 4**i for i in range(7)]
     times = [0.010688, 0.003719, 0.003514, 0.000422, 0.000816, 0.003554, 0.012581]

@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from poise.plan.costs import Link, pipelined_s
 from poise.plan.step import CodecSpeed, Compute
 
@@ -30,24 +32,11 @@ def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """
     if len(points) < 2 or len({s for s, _ in points}) < 2:
         raise ValueError(f"a fit needs at least two distinct sizes, got {[s for s, _ in points]}")
-    pairs = sorted(((t2 - t1) / (s2 - s1), abs(s2 - s1))
-                   for i, (s1, t1) in enumerate(points) for s2, t2 in points[i + 1:] if s2 != s1)
-    b = _weighted_median(pairs)
+    slopes, spans = zip(*(((t2 - t1) / (s2 - s1), abs(s2 - s1))
+                          for i, (s1, t1) in enumerate(points) for s2, t2 in points[i + 1:] if s2 != s1),
+                        strict=True)
+    b = float(np.quantile(slopes, 0.5, weights=spans, method="inverted_cdf"))  # the weighted median
     return statistics.median(t - b * s for s, t in points), b
-
-
-def _weighted_median(sorted_pairs: Sequence[tuple[float, float]]) -> float:
-    """The value at half the total weight of sorted ``(value, weight > 0)`` pairs; the mean of
-    the two values that straddle it when the half falls exactly between them."""
-    half = sum(w for _, w in sorted_pairs) / 2
-    seen = 0.0
-    for i, (value, weight) in enumerate(sorted_pairs):
-        seen += weight
-        if seen > half:
-            return value
-        if seen == half:
-            return (value + sorted_pairs[i + 1][0]) / 2
-    return sorted_pairs[-1][0]
 
 
 def fit_ring_link(points: Sequence[tuple[float, float]], world_size: int) -> Link:

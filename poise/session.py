@@ -65,6 +65,7 @@ from poise.diagnostics import report as report_mod
 from poise.diagnostics.clock import HostClock, clock_for
 from poise.diagnostics.marks import StepMarks
 from poise.diagnostics.timeline import StepRecord, Timeline
+from poise.runtime import memory
 from poise.runtime.slowdown import apply_slowdown
 from poise.step import DeadlineStep, Step
 from poise.straggler.claims import store_claims
@@ -123,6 +124,10 @@ class Session:
         lr_warmup_steps: your learning-rate warm-up, in optimizer steps (same rule).
         backward: how :meth:`Step.backward` runs backward on the weighted loss when it is not
             given one (``accelerator.backward``, a grad scaler's); default ``loss.backward()``.
+        keep_freed_memory: whether this process keeps the memory one step frees for the next
+            (glibc: no page faults for the step's large tensors every step, resident memory
+            bounded at twice its early size; ``poise/runtime/memory.py``). Process-wide. None,
+            the default: when the model is on the CPU.
         rank, world_size: optional; when given they must match the process group.
 
     Raises:
@@ -155,6 +160,7 @@ class Session:
         total_steps: int | None = None,
         lr_warmup_steps: int = 0,
         backward: Callable[[torch.Tensor], Any] | None = None,
+        keep_freed_memory: bool | None = None,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -217,6 +223,8 @@ class Session:
 
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
+        keep = self.device.type == "cpu" if keep_freed_memory is None else keep_freed_memory
+        self.freed_memory = memory.keep_freed_memory() if keep else None
         collective_device = self.device if self.backend == "nccl" else torch.device("cpu")
         self.partitioner = None
         if self.balance.strategy == "dynamic":
@@ -421,6 +429,8 @@ class Session:
         self._last_exit_cpu_s = time.process_time()
         self._pending.append(marks)
         self.steps_done += 1
+        if self.freed_memory is not None:
+            self.freed_memory.after_step()
         while len(self._pending) > self._lag:
             self._take(self._pending.popleft())
         if self.comm_state.between_steps():  # auto's dry run: no step's seconds
@@ -538,6 +548,12 @@ class Session:
 
     # -- the end ---------------------------------------------------------------------------
 
+    def _memory_summary(self) -> dict[str, Any]:
+        """This rank's memory policy for the report: kept or not, trims, resident MB now."""
+        kept = self.freed_memory
+        return {"kept": kept is not None, "trims": kept.trims if kept else 0,
+                "resident_mb": round(memory.resident_bytes() / 1e6, 1)}
+
     def finish(self, extra: dict[str, Any] | None = None, *, loss_scale: float = 1.0) -> dict[str, Any] | None:
         """Gather every rank's figures and, on rank 0, write ``report.json``, ``trace.json`` and
         ``timeline.png`` into ``out_dir``. A collective: call on every rank, once, at the end.
@@ -560,7 +576,8 @@ class Session:
         slowdowns: list[Any] = [None] * self.world_size
         dist.all_gather_object(slowdowns, {"speed": self.slowdown.speed, "method": self.slowdown.method,
                                            "from_step": self.slowdown.from_step, "noise": self.slowdown.noise,
-                                           "straggler": self.deadline.summary() if self.deadline else None})
+                                           "straggler": self.deadline.summary() if self.deadline else None,
+                                           "memory": self._memory_summary()})
         report, failure, error = None, [None], None
         if self.rank == 0:
             try:
@@ -591,6 +608,7 @@ class Session:
             "codec_trial": self.codec_trial.summary() if self.codec_trial else None,
             "replans": [e.__dict__ for e in self.partitioner.history] if self.partitioner else [],
             "straggler": [d.pop("straggler") for d in slowdowns],  # per rank; None: off
+            "freed_memory": [d.pop("memory") for d in slowdowns],  # per rank (poise/runtime/memory.py)
             "emulated_slowdown": slowdowns,  # speed 1.0, method 'none' = not slowed
             "eval_curve": self._eval_curve,  # rank 0's evaluate() calls: step, train_s (s), loss
             **(extra or {}),

@@ -195,7 +195,8 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     session = Session(model, sampler=sampler, loss_terms=task.train_targets, balance=config.balance,
                       comm=config.comm, straggler=config.straggler, seed=tc.seed, diagnostics=config.diagnostics,
                       metrics=config.metrics, out_dir=config.out_dir,
-                      accum_steps=tc.accum_steps, total_steps=optimizer_steps, lr_warmup_steps=warmup)
+                      accum_steps=tc.accum_steps, total_steps=optimizer_steps, lr_warmup_steps=warmup,
+                      keep_freed_memory=config.dist.keep_freed_memory)
     ddp = session.model
     trainable = [p for p in ddp.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, config, task, session.compression_start)

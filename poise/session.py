@@ -125,9 +125,10 @@ class Session:
         backward: how :meth:`Step.backward` runs backward on the weighted loss when it is not
             given one (``accelerator.backward``, a grad scaler's); default ``loss.backward()``.
         keep_freed_memory: whether this process keeps the memory one step frees for the next
-            (glibc: no page faults for the step's large tensors every step, resident memory
-            bounded at twice its early size; ``poise/runtime/memory.py``). Process-wide. None,
-            the default: when the model is on the CPU.
+            (glibc: no page faults for the step's large tensors every step; free pages are
+            given back past half of this worker's share of the machine's memory;
+            ``poise/runtime/memory.py``). Process-wide. None, the default: when the model is
+            on the CPU.
         rank, world_size: optional; when given they must match the process group.
 
     Raises:

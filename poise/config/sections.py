@@ -177,8 +177,8 @@ class DistConfig:
     socket_ifname: str = _field("", "network interface gloo/NCCL sockets bind to ('' = the backend's choice)")
     max_restarts: int = _field(0, "times the launcher restarts the workers after one fails (see --checkpoint-every)")
     keep_freed_memory: bool | None = _field(
-        None, "keep the memory a step frees for the next (glibc; resident memory bounded at 2x its early size; "
-        "unset = when training on the CPU)"
+        None, "keep the memory a step frees for the next (glibc; given back past half of this worker's "
+        "share of the machine's memory; unset = when training on the CPU)"
     )
 
     def __post_init__(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,9 @@ def test_digits_trains_to_a_sound_accuracy(digits_run):
     assert report["train_loss_last"] < report["train_loss_first"]
     assert len(report["per_rank"]) == 2
     assert 0.0 < report["balance"] <= 1.0
+    if platform.libc_ver()[0] == "glibc":  # CPU training keeps freed memory by default
+        assert [m["kept"] for m in report["freed_memory"]] == [True, True]
+        assert all(m["resident_mb"] > 0 for m in report["freed_memory"])
     assert report["bytes_communicated_per_step"] > 0
     assert 0.0 <= report["comm_overlap"] <= 1.0 and report["comm_busy_s_per_step"] > 0
     assert (digits_run / "timeline.png").stat().st_size > 1000

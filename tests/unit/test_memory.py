@@ -31,22 +31,21 @@ for _ in range(8):
 print(json.dumps(faults))
 """
 
-# Resident memory that grows past twice its reference is given back: reference from five
-# small steps, then a step that leaves 600 MB of freed pages resident.
+# Resident memory past the limit is given back: a limit 300 MB over the start, then a step
+# that leaves 600 MB of freed pages resident.
 _TRIM = """
 import json, torch
 from poise.runtime.memory import keep_freed_memory, resident_bytes
-kept = keep_freed_memory()
-for _ in range(5):
-    kept.after_step()
-reference = kept.reference_bytes
+start = resident_bytes()
+kept = keep_freed_memory(limit_bytes=start + 300 * 10**6)
+quiet = kept.after_step()
 held = [torch.ones(2**20) for _ in range(150)]  # 150 x 4 MiB, each page written
 big = torch.ones(150 * 2**20)  # 600 MB at the heap's top, above the small ones
 del held  # 600 MB of freed pages in the heap's middle, pinned under `big`
 grown = resident_bytes()
 trimmed = kept.after_step()
-print(json.dumps({"reference": reference, "grown": grown, "trimmed": trimmed, "after": resident_bytes(),
-                  "trims": kept.trims}))
+print(json.dumps({"quiet": quiet, "limit": kept.limit_bytes, "grown": grown, "trimmed": trimmed,
+                  "after": resident_bytes(), "trims": kept.trims}))
 """
 
 
@@ -64,13 +63,14 @@ def test_a_kept_step_reuses_the_pages_of_the_last_one() -> None:
 
 def test_resident_memory_past_its_bound_is_given_back() -> None:
     got = _run(_TRIM)
-    assert got["grown"] > 2 * got["reference"], got  # the setup really outgrew the bound
+    assert not got["quiet"] and got["grown"] > got["limit"], got  # under the limit: kept; then really past it
     assert got["trimmed"] and got["trims"] == 1, got
     assert got["after"] < got["grown"] - 400e6, got  # the 600 MB of free pages went back
 
 
-def test_growth_must_exceed_one() -> None:
-    from poise.runtime.memory import keep_freed_memory
+def test_the_limit_must_be_a_positive_number_of_bytes() -> None:
+    from poise.runtime.memory import default_limit_bytes, keep_freed_memory, memory_limit_bytes
 
-    with pytest.raises(ValueError, match=r"growth=1\.0 must be > 1"):
-        keep_freed_memory(growth=1.0)
+    with pytest.raises(ValueError, match="limit_bytes=0 must be a positive number of bytes"):
+        keep_freed_memory(limit_bytes=0)
+    assert 0 < default_limit_bytes() <= memory_limit_bytes() // 2

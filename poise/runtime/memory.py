@@ -4,15 +4,16 @@ Why: glibc serves every allocation over its mmap threshold (128 KiB, raised on t
 32 MiB) with a fresh ``mmap`` and unmaps it on free, so a CPU training step pays a page fault
 for every 4 KiB page of its large activations, every step: code-lm's model, 60 steps of varied
 shapes, took 5.1 million page faults, against 0.65 million with the memory kept (two processes
-side by side on this 2-core machine; an ad hoc script). The cost is not even noise. The rank
-with the larger share has more of its tensors over the threshold: on the fifth of the steps
+side by side on this 2-core machine; an ad hoc script). The cost is not only noise but a bias.
+The rank with the larger share has more of its tensors over the threshold: on the fifth of the steps
 with the most tokens, the full-speed rank of ``poise bench balance``'s run c ran 3-16 % slower
 per cost unit, relative to its half-speed peer, than on the other steps (12 runs,
 ``runs/s40-*-c-*`` and ``runs/s41-plain-c-*``), and the dynamic balancer cannot plan for a
 cost that depends on the step's size. With the memory kept (the same runs under
 ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0``, interleaved with plain ones,
 ``runs/s41-nommap-c-*``), that bias vanished and the balance once converged read 0.970
-against 0.950 (medians of 6).
+against 0.950 (medians of 6); with this module, 0.957 (``poise bench balance --runs c,e,f
+--repeats 3``, ``runs/s41-cef3``, median of 3).
 
 What: ``mallopt(M_MMAP_MAX, 0)`` (no allocation is served by ``mmap``) and the largest trim
 threshold (the heap's free top is not given back), so a step reuses the pages of the last one.
@@ -23,8 +24,9 @@ memory kept growing (4.4 GB against glibc's own 2.1 GB). So :meth:`FreedMemory.a
 bounds it: past ``limit_bytes`` of resident memory it calls ``malloc_trim(0)``, which gives
 every free page back (the next steps fault them in once more). The default limit is half of the
 machine's memory (or of the cgroup's limit, where lower) divided among ``LOCAL_WORLD_SIZE``
-workers: memory to spare is kept, memory that other workers or the
-page cache need is not. A first version compared with twice the resident size of the first
+workers: memory to spare is kept, memory that other workers or the page cache need is not.
+DataLoader workers forked later inherit the setting without the bound; their batches go to
+shared memory, not to their heap. A first version compared with twice the resident size of the first
 five steps; code-lm's first steps are small ones, so rank 0 trimmed 7 times in 150 steps and
 paid the faults again (balance 0.928 in its one run).
 

@@ -549,12 +549,6 @@ class Session:
 
     # -- the end ---------------------------------------------------------------------------
 
-    def _memory_summary(self) -> dict[str, Any]:
-        """This rank's memory policy for the report: kept or not, trims, resident MB now."""
-        kept = self.freed_memory
-        return {"kept": kept is not None, "trims": kept.trims if kept else 0,
-                "resident_mb": round(memory.resident_bytes() / 1e6, 1)}
-
     def finish(self, extra: dict[str, Any] | None = None, *, loss_scale: float = 1.0) -> dict[str, Any] | None:
         """Gather every rank's figures and, on rank 0, write ``report.json``, ``trace.json`` and
         ``timeline.png`` into ``out_dir``. A collective: call on every rank, once, at the end.
@@ -578,7 +572,7 @@ class Session:
         dist.all_gather_object(slowdowns, {"speed": self.slowdown.speed, "method": self.slowdown.method,
                                            "from_step": self.slowdown.from_step, "noise": self.slowdown.noise,
                                            "straggler": self.deadline.summary() if self.deadline else None,
-                                           "memory": self._memory_summary()})
+                                           "memory": memory.summary(self.freed_memory)})
         report, failure, error = None, [None], None
         if self.rank == 0:
             try:

@@ -109,6 +109,12 @@ class FreedMemory:
         return True
 
 
+def summary(kept: FreedMemory | None) -> dict[str, object]:
+    """One rank's memory policy for the report: kept or not, trims, resident MB now."""
+    return {"kept": kept is not None, "trims": kept.trims if kept else 0,
+            "resident_mb": round(resident_bytes() / 1e6, 1)}
+
+
 def keep_freed_memory(limit_bytes: int | None = None) -> FreedMemory | None:
     """Make this process keep freed memory for the next step (see module doc).
 

@@ -25,10 +25,10 @@ from types import ModuleType
 from typing import Any
 
 from poise import config as cfg
-from poise.cluster import job as cluster_job
 from poise.diagnostics import busbw, host, rules
 from poise.diagnostics.report import VERDICT_STYLE, show_findings
 from poise.diagnostics.run import load_run
+from poise.launch import cluster_job
 from poise.launch.job import launch_job
 from poise.log import make_console
 

@@ -2,7 +2,7 @@
 
 Launching is :func:`poise.launch.job.launch_job`: torch's elastic launcher on this machine
 (:mod:`poise.launch.elastic`), or with ``--cluster N:M`` one launcher per node of an emulated
-cluster (:mod:`poise.cluster.job`). Every worker runs :mod:`poise.runtime.worker` on the
+cluster (:mod:`poise.launch.cluster_job`). Every worker runs :mod:`poise.runtime.worker` on the
 resolved ``config.toml``. When a worker fails, the launcher stops the others and we exit
 non-zero naming the failed rank and its error.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 from poise import config as cfg
 from poise.cli.flags import add_config_flags, resolve
-from poise.cluster import job as cluster_job
+from poise.launch import cluster_job
 from poise.launch.job import launch_job
 from poise.log import make_console
 

@@ -11,10 +11,10 @@ clean way to split backward time on each rank without extra synchronisation:
 
 Timing the whole ``backward()`` instead would hide a slow rank: DDP's all-reduce makes every
 rank's backward last as long as the slowest one's. :class:`BucketProbe` records a mark of its
-:class:`~poise.diagnostics.clock.Clock` when each bucket is handed over and when its reduction
+:class:`~poise.runtime.clock.Clock` when each bucket is handed over and when its reduction
 completes; :func:`instrumented` wraps any hook with it, so compression hooks and torch's own
 are measured the same way. On CUDA the marks are events: nothing waits for the device in
-the hook, so communication still overlaps backward (see ``poise/diagnostics/clock.py``).
+the hook, so communication still overlaps backward (see ``poise/runtime/clock.py``).
 
 (This module must not use ``from __future__ import annotations``: DDP inspects the hook's
 annotations at registration and compares them with real classes, not strings.)
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from poise.diagnostics.clock import Clock, HostClock
+from poise.runtime.clock import Clock, HostClock
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 

@@ -10,7 +10,7 @@ hide a slow rank. Instead the DDP communication hook is wrapped by a probe
 (:class:`poise.comm.probe.BucketProbe`) that notes when the *last* gradient bucket became
 ready on this rank: forward + backward up to that moment is the rank's own compute; the
 rest of ``backward()`` is time blocked in communication (transfer plus waiting for slower
-ranks). On CUDA the marks are CUDA events, read after the step (``diagnostics/clock.py``).
+ranks). On CUDA the marks are CUDA events, read after the step (``runtime/clock.py``).
 
 Records are gathered to rank 0 every ``gather_every_steps`` steps with one ``gather`` of a
 small float64 tensor, not every step, so measuring costs one tiny collective per interval.

@@ -3,7 +3,7 @@
 The launcher is torch.distributed.run (the code behind ``torchrun``), called with the same
 arguments a user would type: a rendezvous on this machine for one-machine jobs, or
 ``--nnodes/--node-rank/--rdzv-endpoint`` for multi-node jobs (the emulated cluster's agents,
-:mod:`poise.cluster.agent`, pass those).
+:mod:`poise.launch.agent`, pass those).
 
 A one-machine job listens on loopback only. ``--standalone`` would not do: its c10d store and
 the agent's second, shared store bind every interface, unauthenticated, and gloo binds

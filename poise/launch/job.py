@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from poise.cluster.job import run_on_cluster
 from poise.config import RunConfig
+from poise.launch.cluster_job import run_on_cluster
 from poise.launch.elastic import WORKER_MODULE, launch
 
 

@@ -1,1 +1,1 @@
-"""What one rank does: process-group set-up, the training step, and the worker entry point."""
+"""What one rank does: process-group set-up, step clocks, the training step, and the worker entry point."""

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def _cuda_steps(rank: int, world_size: int) -> dict:
-    from poise.diagnostics.clock import CudaClock
+    from poise.runtime.clock import CudaClock
 
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)

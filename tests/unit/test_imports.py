@@ -201,7 +201,7 @@ def test_a_cycle_is_named_with_its_lines(tmp_path, files, cycle):
 
 
 def test_units_and_the_launch_package_init_import_nothing_from_poise():
-    # poise.units is the leaf every layer parses rates with; poise/launch/__init__.py must stay
-    # empty or cluster.job -> launch.elastic would run it and close a loop through launch.job
+    # poise.units is the leaf every layer parses rates with; poise/launch/__init__.py stays empty
+    # so that a node's agent importing launch.elastic does not load the cluster job's code too
     graph = import_graph()
     assert graph["poise.units"] == {} and graph["poise.launch"] == {}

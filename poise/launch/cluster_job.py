@@ -1,6 +1,6 @@
 """Run one ``poise train`` job across the nodes of an emulated cluster.
 
-Each node gets its own torch elastic agent inside its namespace (:mod:`poise.cluster.agent`),
+Each node gets its own torch elastic agent inside its namespace (:mod:`poise.launch.agent`),
 with ``--nnodes N --node-rank i``, the c10d rendezvous on node 0's address, ``--local-addr``
 set to the node's own address and ``is_host`` set explicitly (inside a namespace the hostname
 resolves to 127.0.0.1, so torch can neither guess who hosts the store nor which address to
@@ -145,7 +145,7 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path | None
     try:
         for node, ns in enumerate(namespaces):
             dist = node_dist(state, config.dist, node, rdzv_id)
-            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "poise.cluster.agent",
+            argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "poise.launch.agent",
                     "--dist", json.dumps(dataclasses.asdict(dist)), "--module", module, "--command", command]
             if config_path is not None:
                 argv += ["--config", str(config_path)]

@@ -1,6 +1,6 @@
-"""One node's launcher, run inside that node's namespace by :mod:`poise.cluster.job`.
+"""One node's launcher, run inside that node's namespace by :mod:`poise.launch.cluster_job`.
 
-``ip netns exec <ns> python -m poise.cluster.agent --config FILE --dist JSON`` (or
+``ip netns exec <ns> python -m poise.launch.agent --config FILE --dist JSON`` (or
 ``--module-args JSON`` instead of ``--config``, for ``poise diagnose``) starts torch's
 elastic agent for this node exactly as ``poise train`` does on a real machine, with the node's
 :class:`poise.config.DistConfig` (node rank, rendezvous endpoint, local address, interface)
@@ -21,7 +21,7 @@ from poise.log import setup_logging
 
 def main(argv: list[str] | None = None) -> int:
     """Run this node's workers; returns 0, 1 (a worker failed) or 2 (bad arguments)."""
-    parser = argparse.ArgumentParser(prog="poise.cluster.agent")
+    parser = argparse.ArgumentParser(prog="poise.launch.agent")
     parser.add_argument("--config", default=None, help="the job's resolved config.toml")
     parser.add_argument("--module-args", default=None,
                         help="JSON list of the workers' arguments, instead of --config (poise diagnose)")
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dist = DistConfig(**json.loads(args.dist))
     except (ValueError, TypeError) as exc:
-        sys.stderr.write(f"poise.cluster.agent: error: {exc}\n")
+        sys.stderr.write(f"poise.launch.agent: error: {exc}\n")
         return 2
     module_args = json.loads(args.module_args) if args.module_args is not None else None
     config_path = Path(args.config) if args.config is not None else None

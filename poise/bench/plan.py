@@ -40,7 +40,7 @@ from poise.files import write_json_atomic
 from poise.plan import calibrate
 from poise.plan.costs import Cluster, pipelined_s, ring_all_reduce_s
 from poise.plan.planner import CODEC_OPTIONS, prefer_simple
-from poise.plan.step import StepConfig, predict_step
+from poise.plan.step_time import StepConfig, predict_step
 from poise.units import parse_rate_bit_per_s
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def measure_codec_speeds(params: list[Any], codecs: list[str], payloads: int, *,
 
     from poise.comm.codecs import ErrorFeedback
     from poise.comm.codecs import make as make_codec
-    from poise.plan.step import plan_buckets
+    from poise.plan.step_time import plan_buckets
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 Every rank builds the same code-lm model (same seed) and the same batches. Rank 0 profiles
 the model's layers (embedding, blocks, output head with the loss) on a real micro-batch and
-broadcasts the numbers; every rank then computes the same plan (:mod:`poise.pipeline.plan`)
+broadcasts the numbers; every rank then computes the same plan (:mod:`poise.pipeline.stages`)
 and keeps only its own stage's layers. The stages train with torch's GPipe or 1F1B
 schedule, each measuring its own compute per step; rank 0 gathers those and writes
 ``report.json`` with the measured balance next to the predicted one.
@@ -30,8 +30,8 @@ from poise.balance.metrics import balance
 from poise.balance.profile import LayerProfile, profile_layers
 from poise.config import RunConfig
 from poise.files import write_json_atomic
-from poise.pipeline.plan import StagePlan, plan_stages
 from poise.pipeline.stage import StageRunner, TokenLoss, stage_layers
+from poise.pipeline.stages import StagePlan, plan_stages
 from poise.runtime import dist as rdist
 from poise.runtime import entry
 from poise.runtime.worker import build_task_once_per_node, lr_schedule, make_optimizer, seed_everything

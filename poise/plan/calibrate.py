@@ -1,6 +1,6 @@
 """Calibration: α and β of a link from measured collective times, compute from measured runs.
 
-Kept apart from prediction (``costs.py``, ``step.py``): these functions turn measurements
+Kept apart from prediction (``costs.py``, ``step_time.py``): these functions turn measurements
 (``poise diagnose busbw``'s ``busbw.json``, a single-worker ``report.json``, a layer profile,
 ``poise bench codecs``' kernel table) into the numbers a prediction takes, and say where each
 number came from. A two-point fit is exact; with three or more points the slope is the
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from poise.plan.costs import Link, pipelined_s
-from poise.plan.step import CodecSpeed, Compute
+from poise.plan.step_time import CodecSpeed, Compute
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from poise.plan.step import Param
+from poise.plan.step_time import Param
 
 
 def params_of(module: Any) -> list[Param]:

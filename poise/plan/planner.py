@@ -1,6 +1,6 @@
 """Every configuration poise offers, predicted; the recommendation; the heavy parameter blocks.
 
-:func:`plan_all` predicts a step (``step.py``) for each codec × collective × bucket size;
+:func:`plan_all` predicts a step (``step_time.py``) for each codec × collective × bucket size;
 :func:`recommend` picks the fastest whose measured accuracy cost is within a budget (a codec
 whose cost is unknown is only recommended when no budget is given; ``none`` costs nothing),
 and among configurations predicted within :data:`TIE_MARGIN` of it the simplest;
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from poise.plan.costs import Cluster
-from poise.plan.step import CodecSpeed, Compute, Param, StepConfig, predict_step
+from poise.plan.step_time import CodecSpeed, Compute, Param, StepConfig, predict_step
 
 # the codecs and options the planner compares (poise's defaults), and what it sweeps
 CODEC_OPTIONS: dict[str, dict[str, Any]] = {

@@ -1,6 +1,6 @@
 """Straggler-tolerant aggregation: a shared deadline per step, nothing dropped.
 
-- ``plan.py``: the pure plan of a step (queues of micro-batches, the pool of deferred
+- ``queues.py``: a deadline step's pure queues (each rank's micro-batches, the pool of deferred
   samples, the deadline, the epoch's catch-up steps);
 - ``predict.py``: per-rank predictors of micro-batch time (median, EWMA, LSTM);
 - ``delays.py``: injected delays for tests and benchmarks;

@@ -12,7 +12,7 @@ and 40 µs p99 over 2,000 adds on loopback, with the test suite running beside):
 list q of step s is micro-batch n − 1 of that list. A rank claims only a micro-batch it will
 compute (it checks the deadline first), so the front ``taken[q]`` micro-batches of each list
 are exactly the ones computed, and the count all-reduce at the step's end tells every rank
-``taken`` (:mod:`poise.straggler.plan`). No collective and no barrier: a claim never waits
+``taken`` (:mod:`poise.straggler.queues`). No collective and no barrier: a claim never waits
 for another rank.
 
 Keys live under a prefix agreed at set-up (a random token broadcast from rank 0, so a

@@ -1,6 +1,6 @@
 """Predictors of a rank's next micro-batch time, in seconds per cost unit.
 
-The deadline of a step (:func:`poise.straggler.plan.deadline_s`) is set from each rank's
+The deadline of a step (:func:`poise.straggler.queues.deadline_s`) is set from each rank's
 predicted rate times its planned cost. What it needs is the *typical* rate: a delay is by
 definition not typical, and a deadline that follows the delays waits for them. So the
 default is a windowed median (robust: a 20 % Bernoulli stall moves it not at all); an EWMA

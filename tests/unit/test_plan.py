@@ -19,7 +19,7 @@ from poise.plan.costs import (
     tree_all_reduce_s,
 )
 from poise.plan.model import transformer_params
-from poise.plan.step import Compute, Param, StepConfig, plan_buckets, predict_step
+from poise.plan.step_time import Compute, Param, StepConfig, plan_buckets, predict_step
 
 INTRA = Link(1e-6, 1e10)
 INTER = Link(1e-5, 1e9)
@@ -163,7 +163,7 @@ def test_step_with_codecs() -> None:
     one_round = 6 * (1e-5 + 32000 / 4 / 1e9)  # P and Q: 1000 x 8 fp32 each
     assert psgd.wire_bytes == 64000
     assert psgd.step_s == pytest.approx(0.35 + 2 * one_round)
-    from poise.plan.step import CodecSpeed
+    from poise.plan.step_time import CodecSpeed
 
     speeds = {"fp16": CodecSpeed(1e-9, 1e-9)}
     fp16 = predict_step(C22, params, COMPUTE, StepConfig("fp16", "flat", 25.0), speeds)
@@ -251,7 +251,7 @@ def test_flat_codec_seconds_hide_under_the_sharing_wait() -> None:
     leaders' codec work follows the node reduce and comes on top. No sharing: unchanged."""
     from dataclasses import replace
 
-    from poise.plan.step import CodecSpeed, hidden_by_sharing_s
+    from poise.plan.step_time import CodecSpeed, hidden_by_sharing_s
 
     params = [Param("a", (1000, 1000)), Param("b", (1000, 1000))]
     speeds = {"sign": CodecSpeed(5e-9, 5e-9)}  # 0.02 s encode and 0.02 s decode per 4 MB bucket

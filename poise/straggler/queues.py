@@ -1,4 +1,4 @@
-"""The deadline plan of one step: pure functions, the same on every rank.
+"""The queues of one deadline step: pure functions, the same on every rank.
 
 A step of straggler-tolerant aggregation is a set of **lists** of micro-batches: list ``r``
 (``r < W``) is rank r's share of the step's batch (the sampler's plan, cut into

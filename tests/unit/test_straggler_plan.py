@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from poise.config import StragglerConfig
 from poise.straggler.claims import LocalClaims
 from poise.straggler.delays import DelayModel
-from poise.straggler.plan import build_queues, catch_up, deadline_s, pool_after, split_micro
 from poise.straggler.predict import evaluate, make_predictor
+from poise.straggler.queues import build_queues, catch_up, deadline_s, pool_after, split_micro
 from poise.straggler.steps import DeadlineRunner, StepPlan
 
 

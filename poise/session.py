@@ -69,7 +69,7 @@ from poise.runtime.clock import HostClock, clock_for
 from poise.runtime.slowdown import apply_slowdown
 from poise.step import DeadlineStep, Step
 from poise.straggler.claims import store_claims
-from poise.straggler.steps import DeadlineRunner
+from poise.sync.deadline.runner import DeadlineRunner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -244,7 +244,8 @@ class Session:
             costs = np.asarray(cost(self.lengths) if cost is not None else self.lengths, dtype=np.float64)
             self.deadline = DeadlineRunner(self.straggler, rank=self.rank, world_size=self.world_size, costs=costs,
                                            loss_terms=self.loss_terms, device=collective_device, seed=seed,
-                                           claims=store_claims(self.rank, self.world_size, collective_device))
+                                           claims=store_claims(self.rank, self.world_size, collective_device),
+                                           pauses=self.straggler.delay_model(seed))
         # Emulated slowness is installed around the step and the hook, never passed into them.
         self.slowdown = apply_slowdown(self.rank, self.balance.rank_speeds(), self.balance.slowdown_method,
                                        torch.get_num_threads(), noise=self.balance.speed_noise, seed=seed,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from poise.diagnostics.marks import StepMarks
-from poise.straggler.steps import StepPlan, zero_backward
+from poise.sync.deadline import StepPlan, zero_backward
 
 
 class Step:

@@ -16,7 +16,7 @@ from poise.straggler.claims import LocalClaims
 from poise.straggler.delays import DelayModel
 from poise.straggler.predict import evaluate, make_predictor
 from poise.straggler.queues import build_queues, catch_up, deadline_s, pool_after, split_micro
-from poise.straggler.steps import DeadlineRunner, StepPlan
+from poise.sync.deadline import DeadlineRunner, StepPlan
 
 
 @settings(max_examples=60, deadline=None)

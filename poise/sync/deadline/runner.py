@@ -62,8 +62,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -72,47 +71,39 @@ from torch.nn.parallel import DistributedDataParallel
 
 from poise.config import StragglerConfig
 from poise.straggler.claims import Claims, LocalClaims
-from poise.straggler.plan import Queues, build_queues, catch_up, deadline_s, pool_after
 from poise.straggler.predict import make_predictor
+from poise.straggler.queues import Queues, build_queues, catch_up, deadline_s, pool_after
 from poise.straggler.stale import StaleStash
+from poise.sync.deadline.step_state import StepPlan
+from poise.sync.deadline.watchdog import start_watchdog
 
 log = logging.getLogger(__name__)
 
-WATCH_POLL_S = 0.01  # how often a watchdog reads the claims while its rank stalls (a few store round trips)
 
 
-@dataclass
-class StepPlan:
-    """One rank's view of one deadline step (made by :meth:`DeadlineRunner.plan_step`)."""
+class Pauses(Protocol):
+    """Waits a rank spends outside its forward and backward, in seconds (an emulation of
+    delays injects them: :mod:`poise.emulate.delays`); the runner sleeps them with the step's
+    lock released, so the watchdog can enter the reduction meanwhile."""
 
-    index: int
-    queues: Queues
-    deadline_s: float | None  # seconds after the step's start; None: wait for everyone
-    reference: float  # planned loss terms over all ranks (the weights divide by it)
-    started_s: float = 0.0  # perf_counter() at the step's start
-    gap_s: float = -1.0  # seconds from the previous reduction's end to started_s (-1: no previous)
-    computed: int = 0  # micro-batches this rank computed
-    terms: float = 0.0  # loss terms this rank computed
-    last: bool = False  # the current micro-batch is this rank's last (its backward reduces)
-    reduced: bool = False  # the count all-reduce was started (the gradient reduction is under way)
-    settled: bool = False  # the reduction and the count are done
-    stale: bool = False  # this rank replays its previous gradient
-    taken: np.ndarray = field(default_factory=lambda: np.zeros(0))  # this rank's micro-batches from each list
-    taken_all: np.ndarray = field(default_factory=lambda: np.zeros(0))  # every rank's, from each list (agreed)
-    mine: list[np.ndarray] = field(default_factory=list)  # the micro-batches this rank computed
-    total_terms: float = 0.0  # loss terms computed over all ranks
-    work: Any = None
-    vector: torch.Tensor | None = None
-    stall_s: float = 0.0  # delays injected on this rank in this step
-    compute_cpu_s: float = 0.0  # CPU seconds of this rank's thread in its micro-batches' forward and backward
-    compute_wall_s: float = 0.0  # wall seconds of the same spans
-    current: np.ndarray | None = None  # the micro-batch handed out last
-    backwards: int = 0  # backward calls of the step (one per micro-batch)
-    joined_late: bool = False  # the watchdog entered the reduction for this rank while it stalled
-    stalling: bool = False  # this rank is in an injected delay (its lock released)
-    done: bool = False  # this rank left its micro-batch loop (the watchdog has nothing left to do)
-    wake: threading.Event = field(default_factory=threading.Event)  # set when stalling or done changes
-    error: BaseException | None = None  # what the watchdog's reduction raised
+    def before_step(self, rank: int, step: int, predicted_s: float | None) -> float: ...
+
+    def after_micro(self, rank: int, step: int, micro: int, compute_s: float) -> float: ...
+
+    def describe(self) -> str: ...
+
+
+class NoPauses:
+    """No waits: the production default."""
+
+    def before_step(self, rank: int, step: int, predicted_s: float | None) -> float:
+        return 0.0
+
+    def after_micro(self, rank: int, step: int, micro: int, compute_s: float) -> float:
+        return 0.0
+
+    def describe(self) -> str:
+        return "none"
 
 
 class DeadlineRunner:
@@ -124,14 +115,15 @@ class DeadlineRunner:
         costs: per-sample cost (any unit: the rates are seconds per unit).
         loss_terms: per-sample loss terms (None: one per sample).
         device: where the count all-reduce's tensor lives (the process group's device).
-        seed: seeds the injected delays and the LSTM's initial weights.
+        seed: seeds the LSTM predictor's initial weights.
         claims: how micro-batches are claimed (:func:`poise.straggler.claims.store_claims`
             for a process group; local counters, the default, are right for one rank only).
+        pauses: waits outside forward and backward to sleep through (emulated delays); none by default.
     """
 
     def __init__(self, config: StragglerConfig, *, rank: int, world_size: int, costs: np.ndarray,
                  loss_terms: np.ndarray | None, device: torch.device, seed: int = 0,
-                 claims: Claims | None = None) -> None:
+                 claims: Claims | None = None, pauses: Pauses | None = None) -> None:
         if claims is None and world_size > 1:
             raise ValueError(f"DeadlineRunner for {world_size} ranks needs claims shared by them "
                              "(poise.straggler.claims.store_claims)")
@@ -140,7 +132,7 @@ class DeadlineRunner:
         self.costs = np.asarray(costs, dtype=np.float64)
         self.loss_terms = loss_terms
         self.device = device
-        self.delay = config.delay_model(seed)
+        self.pauses: Pauses = pauses if pauses is not None else NoPauses()
         self.predictor = make_predictor(config.predictor, seed=seed * 1000 + rank)
         self.rates = np.full(world_size, math.nan)  # agreed at the end of each step: s per cost unit
         self.pool = np.zeros(0, dtype=np.int64)
@@ -214,10 +206,13 @@ class DeadlineRunner:
         mark = plan.started_s
         limit = plan.deadline_s
         origin = self._origin_s(plan)
-        watch = self._watch(plan, origin + limit, arm, zero_reduce) if limit is not None else None
+        watch = None
+        if limit is not None and self.world_size > 1:
+            watch = start_watchdog(plan, origin + limit, lock=self._lock, claims=self.claims, device=self.device,
+                                   join=lambda early: self._join_late(plan, early, arm, zero_reduce))
         self._lock.acquire()
         try:
-            self._stall(plan, self.delay.before_step(self.rank, plan.index, self._predict_s(np.concatenate(own))
+            self._stall(plan, self.pauses.before_step(self.rank, plan.index, self._predict_s(np.concatenate(own))
                                                      if own and self.predictor.predict() is not None else None))
             # off (delays injected into plain DDP): every rank computes its own share, nothing else
             order = queues.order(self.rank) if self.config.enabled else [self.rank]
@@ -258,7 +253,7 @@ class DeadlineRunner:
                                      "step.backward(loss) ran for it: one backward per micro-batch")
                 compute_s = time.perf_counter() - began
                 self._computed(plan, indices)  # before the stall: the watchdog may reduce it meanwhile
-                self._stall(plan, self.delay.after_micro(self.rank, plan.index, plan.computed - 1, compute_s))
+                self._stall(plan, self.pauses.after_micro(self.rank, plan.index, plan.computed - 1, compute_s))
                 now = time.perf_counter()
                 cost = float(self.costs[indices].sum())
                 # Not observed: the last micro-batch (its backward waits for the reduction, hence for
@@ -299,6 +294,14 @@ class DeadlineRunner:
         arm(True)
         zero_reduce()
 
+    def _join_late(self, plan: StepPlan, early: bool, arm: Callable[[bool], None],
+                   zero_reduce: Callable[[], None]) -> None:
+        """The watchdog's entry into the reduction for this rank while it stalls (lock held)."""
+        self._join(plan, arm, zero_reduce)
+        plan.joined_late = True
+        self.late_joins += 1
+        self.early_joins += early
+
     def _stall(self, plan: StepPlan, seconds: float) -> None:
         """An injected delay: a sleep with the step's lock released, so the watchdog can enter
         the reduction meanwhile (the delay stands for time this rank waits outside its forward
@@ -314,60 +317,6 @@ class DeadlineRunner:
             self._lock.acquire()
             plan.stalling = False
         plan.stall_s += seconds
-
-    def _nothing_left(self, plan: StepPlan, exhausted: set[int]) -> bool:
-        """Whether every list of ``plan`` is claimed to its end (store reads; ``exhausted``:
-        the lists already found so, which stay so)."""
-        for q, micro in enumerate(plan.queues.micro):
-            if q in exhausted or not micro:
-                continue
-            if self.claims.claimed(plan.index, q) < len(micro):
-                return False
-            exhausted.add(q)
-        return True
-
-    def _watch(self, plan: StepPlan, at_s: float, arm: Callable[[bool], None],
-               zero_reduce: Callable[[], None]) -> threading.Thread | None:
-        """Start the step's watchdog. It enters the reduction for this rank, with what the rank
-        computed so far, when the rank has not by the shared deadline (``at_s``, perf_counter
-        seconds), or earlier, while the rank stalls, once every micro-batch of the step is
-        claimed (the rank would find nothing to take when it woke; checked every
-        ``WATCH_POLL_S`` seconds of a stall). It takes the step's lock first, so it waits out
-        a forward or backward in progress."""
-        if self.world_size == 1:
-            return None
-        device = self.device
-
-        def watch() -> None:
-            exhausted: set[int] = set()
-            early = False
-            while True:
-                plan.wake.clear()  # cleared before reading the state: a change after it wakes the wait
-                now = time.perf_counter()
-                if plan.done:
-                    return  # the rank left its micro-batches itself
-                if now >= at_s:
-                    break
-                if plan.stalling and self._nothing_left(plan, exhausted):
-                    early = True
-                    break
-                plan.wake.wait(min(WATCH_POLL_S, at_s - now) if plan.stalling else at_s - now)
-            with self._lock:
-                if plan.reduced:
-                    return
-                try:
-                    if device.type == "cuda":
-                        torch.cuda.set_device(device)  # the current device is per thread
-                    self._join(plan, arm, zero_reduce)
-                    plan.joined_late = True
-                    self.late_joins += 1
-                    self.early_joins += early
-                except BaseException as error:  # raised again on the rank's own thread
-                    plan.error = error
-
-        thread = threading.Thread(target=watch, name=f"poise-deadline-{plan.index}", daemon=True)
-        thread.start()
-        return thread
 
     def _few_left(self, plan: StepPlan, lists: list[int], i: int) -> bool:
         """Whether at most ``spare`` micro-batches are left unclaimed in every list once this
@@ -476,7 +425,7 @@ class DeadlineRunner:
     def summary(self) -> dict[str, Any]:
         """Figures for the report: micro-batches deferred, stale steps, the delay model."""
         return {"mode": self.config.mode, "micro_batches": self.config.micro_batches, "slack": self.config.slack,
-                "predictor": self.config.predictor, "delay": self.delay.describe(),
+                "predictor": self.config.predictor, "delay": self.pauses.describe(),
                 "micro_planned": self.micro_planned, "micro_deferred": self.micro_deferred,
                 "micro_taken_over": self.micro_taken_over,
                 "stale_steps": self.stale_steps, "pool_left": len(self.pool),
@@ -484,17 +433,4 @@ class DeadlineRunner:
                 "trace": [[round(a, 9), round(b, 9)] for a, b in self.trace]}
 
 
-def zero_backward(model: DistributedDataParallel) -> None:
-    """Join DDP's gradient reduction without a forward pass: a zero loss that reaches every
-    trainable parameter, run through DDP's forward bookkeeping (``_pre_forward`` /
-    ``_post_forward``, which arm the reducer as a forward would; torch has no public call for
-    this), so each bucket is handed to the comm hook with this rank's accumulated gradient
-    (zeros if it computed nothing) and every rank joins every all-reduce."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    model._pre_forward()
-    zero = torch.stack([p.reshape(-1)[0] for p in params]).sum() * 0.0
-    zero = model._post_forward(zero)
-    zero.backward()
-
-
-__all__ = ["DeadlineRunner", "StepPlan", "zero_backward"]
+__all__ = ["DeadlineRunner", "NoPauses", "Pauses", "StepPlan"]

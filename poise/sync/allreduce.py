@@ -1,0 +1,135 @@
+"""Every-step synchronization: DDP's all-reduce of gradient buckets through poise's comm hook.
+
+The model is wrapped in DistributedDataParallel (or a DDP model is taken as it is) and the
+hook that :func:`poise.comm.builder.build` makes for the ``CommConfig`` (a codec with error
+feedback over a collective; ``auto``'s PowerSGD trial; torch's own hooks) is registered
+behind the timing probe. Hook wrappers compose around it: ``outer`` ones see a bucket before
+the probe does (an emulated slower device must count as compute), ``inner`` ones after it,
+before the codec (the ``deadline+stale`` stash keeps the bucket as the rank computed it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from poise.comm import builder as comm_builder
+from poise.comm.probe import BucketProbe, CommHook, instrumented
+from poise.comm.settle import settle_buckets
+from poise.comm.state import CommState, StepStats
+from poise.comm.trial import CodecTrial
+from poise.config import CommConfig
+from poise.runtime.clock import Clock
+
+log = logging.getLogger(__name__)
+
+HookWrapper = Callable[[CommHook], CommHook]
+
+
+class AllReduce:
+    """Gradients reduced in every step's backward (see module doc); a :class:`~poise.sync.Sync`.
+
+    Args:
+        model: a plain module (wrapped here in DDP) or a DDP model with no comm hook yet.
+        config: the codec, error feedback, collective and bucket size.
+        clock: what the probe's marks are (host seconds, or CUDA events).
+        backend: the process group's backend (``gloo``, ``nccl``).
+        compression_start: optimizer steps sent uncompressed first.
+        outer, inner: hook wrappers, applied around the probe and around the codec's hook.
+
+    Raises:
+        ValueError: a codec that cannot run on ``backend``, or a DDP model whose buckets do
+            not suit the codec.
+    """
+
+    def __init__(self, model: nn.Module, config: CommConfig, *, clock: Clock, backend: str,
+                 compression_start: int, outer: Sequence[HookWrapper] = (),
+                 inner: Sequence[HookWrapper] = ()) -> None:
+        self.config = config
+        self.probe = BucketProbe(clock)
+        self.model = self._ddp(model, backend)
+        hook, self.state = comm_builder.build(config, start_step=compression_start)
+        for wrap in inner:
+            hook = wrap(hook)
+        hook = instrumented(hook, self.probe)
+        for wrap in outer:
+            hook = wrap(hook)
+        self.model.register_comm_hook(self.state, hook)
+        self._no_sync: contextlib.AbstractContextManager[Any] | None = None
+
+    def _ddp(self, model: nn.Module, backend: str) -> DistributedDataParallel:
+        comm_builder.check_backend(self.config, backend)
+        single = comm_builder.requires_single_bucket(self.config)
+        size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        if isinstance(model, DistributedDataParallel):
+            if single and model.bucket_bytes_cap < size_mb * 2**20:
+                raise ValueError(f"comm.codec={self.config.codec!r} needs one bucket on gloo: build DDP with "
+                                 f"bucket_cap_mb > {size_mb:.1f} (the model's size in MB)")
+            return model
+        bucket_cap_mb = self.config.bucket_mb
+        if single:
+            bucket_cap_mb = 2 * size_mb + 1
+            log.info("comm.codec=%r needs a single bucket on gloo: bucket size %.1f MB instead of comm.bucket_mb",
+                     self.config.codec, bucket_cap_mb)
+        params = list(model.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       bucket_cap_mb=bucket_cap_mb)
+
+    @property
+    def trial(self) -> CodecTrial | None:
+        """``comm.codec=auto``'s decision (None for other codecs)."""
+        return self.state.trial
+
+    # -- the call points -------------------------------------------------------------------
+
+    def begin_step(self, index: int) -> None:
+        self.probe.reset()
+        self.state.reset_step()
+
+    def micro_batch(self, last: bool) -> None:
+        """Enter DDP's ``no_sync`` before a forward that only accumulates (it must cover the
+        forward: DDP arms the reduction there); leave it before the one that reduces, and at
+        the end of a step."""
+        if last and self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
+        elif not last and self._no_sync is None:
+            self._no_sync = self.model.no_sync()
+            self._no_sync.__enter__()
+
+    def end_step(self, index: int) -> None:
+        """Nothing: every step's gradient was reduced in its backward."""
+
+    def between_steps(self) -> bool:
+        return self.state.between_steps()
+
+    def traffic(self) -> tuple[StepStats, StepStats]:
+        return self.state.step_stats(), self.state.inter_node_stats()
+
+    def settle(self, forward_backward: Callable[[], None]) -> None:
+        """DDP's bucket layout settled before residuals are restored (:mod:`poise.comm.settle`)."""
+        settle_buckets(self.model, self.state, forward_backward)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        return self.state.shared_state_dict()
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_shared_state_dict(state)
+
+
+__all__ = ["AllReduce", "CommState", "HookWrapper"]

@@ -1,0 +1,80 @@
+"""The synchronization strategy: the one object a training step calls to meet the other ranks.
+
+Every way poise synchronizes ranks is an implementation of :class:`Sync`, and the step
+(:mod:`poise.run.step`) calls it at fixed points only, never by kind:
+
+1. :meth:`Sync.wrap` once, when the session is built: the model the user trains (DDP with a
+   comm hook today; FSDP2's ``fully_shard`` module next).
+2. :meth:`Sync.begin_step` when a step opens, before its first forward: per-step counters.
+3. :meth:`Sync.micro_batch` before each micro-batch's forward: ``last=True`` when the
+   backward that follows must reduce the gradient, False when it only accumulates
+   (``no_sync``; FSDP2's ``set_requires_gradient_sync``).
+4. The backward itself runs the hooks :meth:`wrap` registered (codec, collective, probe).
+5. :meth:`Sync.end_step` after the optimizer step: where an outer step goes (local SGD,
+   DiLoCo: no communication for H inner steps, then an all-reduce of parameter deltas and an
+   outer optimizer step).
+6. :meth:`Sync.between_steps` after the step is recorded: work outside any step
+   (``comm.codec=auto``'s dry runs), whose seconds belong to no step.
+
+State for checkpoints (:meth:`state_dict`, and the part every rank shares) and the step's
+traffic (:meth:`traffic`) complete it. Implementations: :class:`poise.sync.AllReduce` (DDP
+plus a codec over a collective, ``auto`` included) and :class:`poise.sync.Deadline` (deadline
+steps, composed over an ``AllReduce``). ``docs/design.md`` draws the call points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+
+from poise.comm.probe import BucketProbe
+from poise.comm.state import StepStats
+
+
+@runtime_checkable
+class Sync(Protocol):
+    """How one rank's gradients meet the other ranks' (see module doc for the call points).
+
+    Attributes:
+        model: the model as wrapped by :meth:`wrap` (what the user's forward calls).
+        probe: marks of when each gradient bucket was handed over and reduced this step
+            (the split of backward into compute and communication).
+    """
+
+    model: nn.Module
+    probe: BucketProbe
+
+    def begin_step(self, index: int) -> None:
+        """A step opens (``index``: steps before it); zero the per-step counters."""
+
+    def micro_batch(self, last: bool) -> None:
+        """Before a micro-batch's forward: reduce during its backward only when ``last``."""
+
+    def end_step(self, index: int) -> None:
+        """After the optimizer step of step ``index`` (an outer step would run here)."""
+
+    def between_steps(self) -> bool:
+        """Work outside any step, run on every rank after each step; True if it ran anything."""
+
+    def traffic(self) -> tuple[StepStats, StepStats]:
+        """This step's bytes and codec seconds: all of this rank's, and those between nodes."""
+
+    def settle(self, forward_backward: Callable[[], None]) -> None:
+        """Before restoring state: one throw-away ``forward_backward`` that changes nothing."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (residuals, warm starts, step count)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """The part of the state every rank holds alike."""
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`shared_state_dict` (this rank's own part starts fresh)."""
+
+
+__all__ = ["Sync"]

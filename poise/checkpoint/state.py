@@ -8,21 +8,25 @@ A state has three parts, by who owns them:
   and the session's shared part (the data schedule's position and plan, the re-planner's
   shares);
 - ``per_rank``: what differs per rank: RNG states (torch, CUDA, numpy, python), the session's
-  per-rank part (:data:`poise.session.RANK_KEYS`: the comm hook's state with its
-  error-feedback residuals, the re-planner's window of this rank's measurements), and, for a
-  checkpoint inside a gradient-accumulation window, this rank's gradients summed so far
-  (not yet reduced: they differ per rank).
+  per-rank part (:data:`RANK_KEYS`: the comm hook's state with its error-feedback residuals,
+  the re-planner's window of this rank's measurements), and, for a checkpoint inside a
+  gradient-accumulation window, this rank's gradients summed so far (not yet reduced: they
+  differ per rank).
 
 :func:`fit_problems` compares a saved state with the run about to use it (config settings
 that shape the model, optimizer and data; parameter names and shapes) before anything is
 loaded, so a mismatch is a one-line error and never a partial load.
+
+The session is seen only through :class:`SessionState` (its ``state_dict`` and
+``load_state_dict``), so checkpointing sits below the session in the layers and imports
+nothing of it.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,7 +34,25 @@ from torch import nn
 
 from poise import config as config_mod
 from poise.config import RunConfig
-from poise.session import RANK_KEYS, Session
+
+
+class SessionState(Protocol):
+    """What a checkpoint needs of the session: its state as plain values and tensors, and a
+    way to put such a state back (:class:`poise.Session` is one).
+
+    ``state_dict()`` has the keys of :data:`RANK_KEYS`, which belong to the rank that made it,
+    and others that every rank shares. ``load_state_dict`` takes the shared keys with either a
+    rank's own ones or, on another number of ranks, ``{"rank": -1, "window": None, "comm": None}``.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# The keys of a session state that belong to one rank (saved in its own file): the rank, the
+# re-planner's window of this rank's measurements, the comm hook's state with its residuals.
+RANK_KEYS = ("rank", "window", "comm")
 
 # Settings a checkpoint does not fix: where and how long the run goes, how it is launched,
 # measured, checkpointed and failed on purpose. Everything else must match to resume.
@@ -123,7 +145,7 @@ def capture(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    session: Session,
+    session: SessionState,
     world_size: int,
     in_window: bool = False,
 ) -> TrainingState:
@@ -163,7 +185,7 @@ def restore(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    session: Session,
+    session: SessionState,
 ) -> None:
     """Put ``state`` into the live objects. ``state.per_rank`` is empty when the run resumes on
     another number of ranks: then RNGs, comm state and speed windows start fresh."""

@@ -14,7 +14,7 @@ built on the same API.
 """
 
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, RunConfig, StragglerConfig
-from poise.session import DeadlineStep, Session, Step
+from poise.run.session import DeadlineStep, Session, Step
 
 __all__ = ["BalanceConfig", "CommConfig", "DeadlineStep", "DiagnosticsConfig", "MetricsConfig", "RunConfig",
            "Session", "Step", "StragglerConfig"]

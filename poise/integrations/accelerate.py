@@ -42,7 +42,7 @@ try:
 except ImportError:
     raise ImportError("poise.integrations.accelerate needs accelerate: pip install 'poise[accelerate]'") from None
 
-from poise.session import Session
+from poise.run.session import Session
 
 log = logging.getLogger(__name__)
 

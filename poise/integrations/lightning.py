@@ -51,7 +51,7 @@ except ImportError:
 from poise.comm import builder as comm_builder
 from poise.config import CommConfig
 from poise.runtime import dist as rdist
-from poise.session import Session, Step
+from poise.run.session import Session, Step
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise.diagnostics.marks import StepMarks
+from poise.run.marks import StepMarks
 from poise.sync.deadline import StepPlan, zero_backward
 
 

@@ -62,12 +62,12 @@ from poise.comm.trial import CodecTrial
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, StragglerConfig
 from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics import report as report_mod
-from poise.diagnostics.marks import StepMarks
+from poise.run.marks import StepMarks
 from poise.diagnostics.timeline import StepRecord, Timeline
 from poise.runtime import memory
 from poise.runtime.clock import HostClock, clock_for
 from poise.runtime.slowdown import apply_slowdown
-from poise.step import DeadlineStep, Step
+from poise.run.step import DeadlineStep, Step
 from poise.straggler.claims import store_claims
 from poise.sync.deadline.runner import DeadlineRunner
 

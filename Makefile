@@ -24,8 +24,10 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q
 
+# ruff, then the package layers and import contracts of pyproject.toml's [tool.importlinter]
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,4 +1,5 @@
-"""No import cycles inside ``poise``, found statically (nothing is imported).
+"""No import cycles inside ``poise``, found statically (nothing is imported); and the package
+layers of pyproject.toml's ``[tool.importlinter]`` hold (:func:`test_the_import_contracts_hold`).
 
 Every ``import``/``from ... import`` of a ``poise`` module counts, wherever it stands: at
 module level, inside a function (a lazy import only hides a cycle) or under ``if
@@ -16,6 +17,8 @@ is one, and is counted: that name may not be defined yet.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -205,3 +208,12 @@ def test_units_and_the_launch_package_init_import_nothing_from_poise():
     # so that a node's agent importing launch.elastic does not load the cluster job's code too
     graph = import_graph()
     assert graph["poise.units"] == {} and graph["poise.launch"] == {}
+
+
+def test_the_import_contracts_hold():
+    # import-linter (the dev extra) checks pyproject.toml's contracts: each package imports only
+    # the layers below it, and only the Session's builder and the CLI import poise.emulate
+    lint = Path(sys.executable).parent / "lint-imports"
+    assert lint.exists(), f"{lint} is missing: install the dev extra (pip install -e '.[dev]')"
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=ROOT.parent, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"lint-imports failed:\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"

@@ -5,10 +5,11 @@ step, every rank's RNG states, the data schedule's epoch, position and plan, the
 shares and speed windows, and the comm hook's error-feedback residuals, so that a resumed run
 takes the very steps the uninterrupted one would have taken.
 
-How it is written (:mod:`poise.checkpoint.layout`, :mod:`poise.checkpoint.saver`): a temporary
-directory, files written to temporary names, fsync'd and renamed, a manifest with the size
-and sha256 of every file written last, then the directory renamed into place; on load the
-newest checkpoint that verifies is used, and a corrupt or incomplete one is skipped with a
+How it is written (:mod:`poise.checkpoint.layout`: names, manifests, verification;
+:mod:`poise.checkpoint.directory`: writing, the lock, retention; :mod:`poise.checkpoint.saver`):
+a temporary directory, files written to temporary names, fsync'd and renamed, a manifest with
+the size and sha256 of every file written last, then the directory renamed into place; on load
+the newest checkpoint that verifies is used, and a corrupt or incomplete one is skipped with a
 one-line warning. Saves are asynchronous (a snapshot in memory, written by a background
 thread) and differential (between full bases, only tensors whose hash changed are written;
 restore composes base + differentials and checks every tensor's hash: bit-exact). With a

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from poise.checkpoint import layout
+from poise.checkpoint import directory, layout
 from poise.checkpoint.state import TrainingState, fit_config, fit_problems, param_shapes
 from poise.comm import codecs
 from poise.config import RunConfig, config_hash
@@ -99,8 +99,8 @@ class Checkpointer:
         if rank == 0:
             # before training starts: a file in the way, or another job on the directory, stops
             # the run now instead of at its first save
-            layout.check_directory(self.root)
-            layout.lock(self.root)
+            directory.check_directory(self.root)
+            directory.lock(self.root)
             self._token = layout.new_token()
             if store is not None:
                 store.set(_TOKEN_KEY, self._token)
@@ -159,7 +159,7 @@ class Checkpointer:
         except FileNotFoundError:
             raise FileNotFoundError(f"checkpoint directory {str(self.root)!r} is gone: it was removed during "
                                     "the run") from None
-        mine = layout.write_payload(partial, layout.rank_file(self.rank), snapshot.per_rank)
+        mine = directory.write_payload(partial, layout.rank_file(self.rank), snapshot.per_rank)
         note = json.dumps(mine.entry())
         if self.store is not None:
             self.store.set(f"checkpoint/{step}/rank-{self.rank}", note)
@@ -183,8 +183,8 @@ class Checkpointer:
                 max_error = max(max_error, error)
             written += len(payload)
             index[group] = entries
-            files[f"{group}.pt"] = layout.write_payload(partial, f"{group}.pt", payload).entry()
-        files["state.pt"] = layout.write_payload(partial, "state.pt", snapshot.shared).entry()
+            files[f"{group}.pt"] = directory.write_payload(partial, f"{group}.pt", payload).entry()
+        files["state.pt"] = directory.write_payload(partial, "state.pt", snapshot.shared).entry()
         for r in range(1, self.world_size):
             files[layout.rank_file(r)] = json.loads(self._wait_note(step, r))
         bases = sorted({holder for group in index.values() for e in group.values() for holder in layout.holders(e)}
@@ -193,7 +193,7 @@ class Checkpointer:
             "step": step, "kind": "full" if full else "differential", "world_size": self.world_size,
             "files": files, "bases": bases, "tensors": index, **self.fit,
         }
-        layout.finalize(self.root, partial, step, manifest)
+        directory.finalize(self.root, partial, step, manifest)
         self._verified.add(name)
         self._index = index
         self._saves_since_full = 0 if full else self._saves_since_full + 1
@@ -203,7 +203,7 @@ class Checkpointer:
         record = SaveRecord(step, manifest["kind"], total_bytes, written, len(snapshot.tensors), stall_s,
                             time.perf_counter() - begin, max_error)
         self.records.append(record)
-        deleted = layout.prune(self.root, self.settings.keep, self.token(), name, self._verified)
+        deleted = directory.prune(self.root, self.settings.keep, self.token(), name, self._verified)
         log.info("checkpoint %s: %s, %.2f MB, %d of %d tensors written, stall %.1f ms, write %.2f s%s%s",
                  name, record.kind, total_bytes / 1e6, written, len(snapshot.tensors), 1e3 * stall_s,
                  record.write_s, f", restores within {max_error:.2g}" if max_error else "",
@@ -269,7 +269,7 @@ def check_fresh_start(config: RunConfig) -> None:
 
 def find_resume_point(config: RunConfig, *, required: bool) -> tuple[str, dict[str, Any]] | None:
     """The newest good checkpoint in the run's directory (run on rank 0 only); the newer ones,
-    which do not verify, are renamed aside (:func:`poise.checkpoint.layout.set_aside`).
+    which do not verify, are renamed aside (:func:`poise.checkpoint.directory.set_aside`).
 
     Raises:
         ValueError: when ``required`` and the directory is missing or holds no good checkpoint.
@@ -278,13 +278,13 @@ def find_resume_point(config: RunConfig, *, required: bool) -> tuple[str, dict[s
     if required and not root.is_dir():
         raise ValueError(f"checkpoint.resume is set but the checkpoint directory {str(root)!r} does not exist")
     if root.is_dir():
-        layout.recover(root)
+        directory.recover(root)
     found = layout.newest_good(root)
     if found is None and required:
         raise ValueError(f"checkpoint.resume is set but {str(root)!r} holds no complete, intact checkpoint")
     if root.is_dir():
         # those newer than the one resumed from do not verify: out of the way of retention and restarts
-        layout.set_aside(root, int(found[1]["step"]) if found is not None else -1)
+        directory.set_aside(root, int(found[1]["step"]) if found is not None else -1)
     return found
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from poise import config as cfg
-from poise.checkpoint import layout
+from poise.checkpoint import directory, layout
 from poise.checkpoint.saver import Checkpointer, composed_grads, find_resume_point, load
 from poise.checkpoint.state import TrainingState, fit_problems
 
@@ -176,7 +176,7 @@ def test_a_checkpoint_cannot_run_code_even_with_a_matching_checksum(tmp_path):
     _save_run(tmp_path, differential=False, saves=1)
     newest = tmp_path / "checkpoints" / "step-00000001"
     Path("/tmp/poise-checkpoint-ran-code").unlink(missing_ok=True)
-    written = layout.write_payload(newest, "state.pt", {"evil": _Payload()})
+    written = directory.write_payload(newest, "state.pt", {"evil": _Payload()})
     manifest = json.loads((newest / layout.MANIFEST).read_text())
     manifest["files"]["state.pt"] = written.entry()  # an attacker can fix the checksum up
     (newest / layout.MANIFEST).write_text(json.dumps(manifest))
@@ -214,7 +214,7 @@ def test_accumulated_gradients_moved_to_another_world_size_reduce_to_the_same_av
     torch.manual_seed(1)
     grads = [{"w": torch.randn(5, 3), "b": torch.randn(3)} for _ in range(saved_world)]
     for r, g in enumerate(grads):
-        layout.write_payload(tmp_path, layout.rank_file(r), {"grads": g})
+        directory.write_payload(tmp_path, layout.rank_file(r), {"grads": g})
     composed = [composed_grads(tmp_path, k, world, saved_world) or {} for k in range(world)]
     for key in ("w", "b"):
         want = sum(g[key] for g in grads) / saved_world  # DDP's average over the saved ranks

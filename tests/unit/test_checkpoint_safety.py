@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from poise.checkpoint import layout
+from poise.checkpoint import directory, layout
 from poise.checkpoint.saver import Checkpointer, find_resume_point
 from tests.unit.test_checkpoint import _config, _model, _state, _train_last_layer
 
@@ -41,7 +41,7 @@ def test_retention_never_leaves_only_corrupt_checkpoints(tmp_path):
     """The reproduction: 10 good, 30 corrupt, then a save at 20 with keep=1."""
     root = tmp_path / "checkpoints"
     _save(root, [10, 30])
-    layout.unlock(root)
+    directory.unlock(root)
     _corrupt(root / "step-00000030")
     _save(root, [20], keep=1)
     found = layout.newest_good(root)
@@ -52,7 +52,7 @@ def test_retention_never_leaves_only_corrupt_checkpoints(tmp_path):
 def test_resume_sets_newer_checkpoints_aside_and_retention_keeps_the_good_one(tmp_path):
     root = tmp_path / "checkpoints"
     _save(root, [10, 30])
-    layout.unlock(root)
+    directory.unlock(root)
     _corrupt(root / "step-00000030")
     name, _ = find_resume_point(_config(tmp_path, resume=True), required=True)
     assert name == "step-00000010"
@@ -75,11 +75,11 @@ def test_a_crash_while_replacing_a_checkpoint_loses_neither(tmp_path, monkeypatc
             raise OSError("crash between the two renames")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(layout.os, "replace", crash)
+    monkeypatch.setattr(directory.os, "replace", crash)
     with pytest.raises(OSError, match="crash between"):
         _save(root, [5])
     monkeypatch.undo()
-    layout.recover(root)
+    directory.recover(root)
     assert layout.newest_good(root)[0] == "step-00000005"
     assert (root / "step-00000005" / "model.pt").read_bytes() == before
 
@@ -88,7 +88,7 @@ def test_recover_renames_back_a_checkpoint_left_aside_by_a_hard_crash(tmp_path):
     root = tmp_path / "checkpoints"
     _save(root, [5])
     os.rename(root / "step-00000005", root / ".old-step-00000005-0123456789abcdef")
-    assert layout.recover(root) == ["step-00000005"]
+    assert directory.recover(root) == ["step-00000005"]
     assert layout.newest_good(root)[0] == "step-00000005"
 
 
@@ -114,8 +114,8 @@ def test_a_malformed_manifest_falls_back_to_the_previous_checkpoint(tmp_path, da
 _HOLD = """
 import sys, time
 from pathlib import Path
-from poise.checkpoint import layout
-layout.lock(Path(sys.argv[1]))
+from poise.checkpoint import directory
+directory.lock(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(60)
 """
@@ -151,7 +151,7 @@ def test_a_checkpoint_directory_that_is_a_file_is_refused_before_training(tmp_pa
     file = tmp_path / "not-a-dir"
     file.write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
-        layout.check_directory(file)
+        directory.check_directory(file)
     with pytest.raises(ValueError, match="is not a directory"):
         Checkpointer(_config(tmp_path, dir=str(file)), rank=0, world_size=1, store=None, attempt=0, model=_model())
 
@@ -163,5 +163,5 @@ def test_lock_is_released_with_its_process(tmp_path):
     assert other.stdout.readline().strip() == "held"
     other.kill()
     other.wait()
-    layout.lock(root, wait_s=0.0)  # no waiting at all: it raises if the dead process still held it
-    layout.unlock(root)
+    directory.lock(root, wait_s=0.0)  # no waiting at all: it raises if the dead process still held it
+    directory.unlock(root)

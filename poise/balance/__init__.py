@@ -3,9 +3,10 @@ weights for unequal batches, pipeline stage partitioning and layer profiling, th
 
 from poise.balance.costs import AttentionCost, as_cost_fn, linear_cost
 from poise.balance.metrics import balance, balance_ceiling, idle_fraction
-from poise.balance.partition import PlanSummary, describe_plan, partition, recommend, stage_times
+from poise.balance.partition import PlanSummary, describe_plan, partition, stage_times
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.sampler import BalancedBatchSampler, StaticSchedule, make_sampler
+from poise.balance.stage_count import recommend
 from poise.balance.weights import loss_weight
 
 __all__ = [

@@ -3,7 +3,7 @@
 A :class:`StagePlan` holds the boundaries chosen by :func:`poise.balance.partition`, the
 predicted seconds of each stage per step (compute alone, which is what the runner measures,
 and with the modelled communication, which is what the plan minimised), the bubble fraction
-and the stage / micro-batch advice.
+and the stage / micro-batch advice (:func:`poise.balance.stage_count.recommend`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.balance.metrics import balance
-from poise.balance.partition import bubble_fraction, describe_plan, partition, recommend
+from poise.balance.partition import describe_plan, partition
 from poise.balance.profile import LayerProfile
+from poise.balance.stage_count import bubble_fraction, recommend
 
 
 @dataclass(frozen=True)

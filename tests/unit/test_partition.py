@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poise.balance import balance, describe_plan, partition, recommend, stage_times
-from poise.balance.partition import all_plans, bubble_fraction, optimal_stage_count
+from poise.balance.partition import all_plans
+from poise.balance.stage_count import bubble_fraction, optimal_stage_count
 
 costs_st = st.lists(st.floats(0.01, 10.0, allow_nan=False), min_size=1, max_size=10)
 

@@ -104,7 +104,7 @@ class Job:
     def worker(self, rank: int) -> int | None:
         """The pid of the worker process of global rank ``rank`` (None when there is none)."""
         for pid in descendants(self.proc.pid):
-            if "poise.runtime.worker" not in cmdline(pid):
+            if "poise.train.worker" not in cmdline(pid):
                 continue
             try:
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -137,7 +137,7 @@ def compare(reference: Path, out: Path) -> dict[str, Any]:
     """``samples_lost``, ``samples_duplicated`` and ``params_match`` of run ``out`` against ``reference``."""
     import torch
 
-    from poise.runtime.samples import read_samples
+    from poise.train.samples import read_samples
 
     want, got = read_samples(reference / "samples"), read_samples(out / "samples") if (out / "samples").is_dir() \
         else {}

@@ -2,7 +2,7 @@
 
 Launching is :func:`poise.launch.job.launch_job`: torch's elastic launcher on this machine
 (:mod:`poise.launch.elastic`), or with ``--cluster N:M`` one launcher per node of an emulated
-cluster (:mod:`poise.launch.cluster_job`). Every worker runs :mod:`poise.runtime.worker` on the
+cluster (:mod:`poise.launch.cluster_job`). Every worker runs :mod:`poise.train.worker` on the
 resolved ``config.toml``. When a worker fails, the launcher stops the others and we exit
 non-zero naming the failed rank and its error.
 """

@@ -25,7 +25,7 @@ Compress DDP's gradients in your own training script::
 Codecs by name: ``poise.comm.codecs.make(name, **options)`` (names in ``codecs.CODECS``).
 The first ``start_step`` (2) steps run uncompressed, because DDP rebuilds its buckets after
 step 1. ``poise.comm.build(config)`` does the same from a ``CommConfig``. With ``sign``
-and Adam, freeze Adam's second moment when compression starts: ``poise.optim.AdamW``.
+and Adam, freeze Adam's second moment when compression starts: ``poise.train.optim.AdamW``.
 """
 
 from poise.comm import codecs

@@ -95,7 +95,7 @@ class LocalFirst(Reducer):
     then delays only what the *other* ranks send, and nothing of a rank's own gradient. Why:
     with a sparsifier and error feedback, an entry waits until it has piled up (at 1 %, about
     once per hundred steps), and that delay, not the codec's error, is what cost top-k and
-    random-k on the transformer (poise/optim.py). The residual's change over the call is
+    random-k on the transformer (poise/train/optim.py). The residual's change over the call is
     exactly that unsent part: with ``c = g + e_old`` sent as ``s`` and ``e_new = c - s``,
     ``g - s = e_new - e_old``, so no extra byte is sent. The price: ranks no longer hold the
     same weights. Two ranks differ by the difference of their outstanding residuals, which is

@@ -338,6 +338,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from poise.runtime import entry
+    from poise.runtime import dist as rdist
 
-    entry.leave(main())
+    rdist.exit_process(main())

@@ -39,7 +39,7 @@ from poise.config import DistConfig
 
 log = logging.getLogger(__name__)
 
-WORKER_MODULE = "poise.runtime.worker"
+WORKER_MODULE = "poise.train.worker"
 LOOPBACK = "127.0.0.1"
 # seconds the agent may take to reach the rendezvous store (torch's own default for c10d)
 _RDZV_READ_TIMEOUT_S = 60

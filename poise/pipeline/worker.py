@@ -33,9 +33,10 @@ from poise.files import write_json_atomic
 from poise.pipeline.stage import StageRunner, TokenLoss, stage_layers
 from poise.pipeline.stages import StagePlan, plan_stages
 from poise.runtime import dist as rdist
-from poise.runtime import entry
-from poise.runtime.worker import build_task_once_per_node, lr_schedule, make_optimizer, seed_everything
 from poise.tasks.base import IGNORE_INDEX, Batch, Task
+from poise.train import entry
+from poise.train.data import build_task_once_per_node
+from poise.train.recipe import lr_schedule, make_optimizer, seed_everything
 
 # By name: run as `-m poise.pipeline.worker`, __name__ would be "__main__", outside "poise".
 log = logging.getLogger("poise.pipeline.worker")

@@ -1,1 +1,3 @@
-"""What one rank does: process-group set-up, step clocks, the training step, and the worker entry point."""
+"""Low-level facts of one worker process: process-group set-up and teardown (dist.py), step
+clocks (clock.py) and keeping freed memory (memory.py). What a rank of ``poise train`` does with
+them is :mod:`poise.train`."""

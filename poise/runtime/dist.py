@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,6 +47,11 @@ class DistContext:
         return self.rank == 0
 
 
+def restart_count() -> int:
+    """How many times the launcher has restarted the workers (0 in the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def resolve_backend(name: str) -> str:
     """``auto`` means NCCL when CUDA is present, gloo otherwise."""
     if name == "auto":
@@ -65,7 +71,7 @@ def init_from_env(config: DistConfig) -> DistContext:
     if missing:
         raise ValueError(
             f"environment variables {', '.join(missing)} are not set: start workers with "
-            "'poise train' or 'torchrun ... -m poise.runtime.worker --config FILE'"
+            "'poise train' or 'torchrun ... -m poise.train.worker --config FILE'"
         )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -101,7 +107,7 @@ def job_store(rank: int, config: DistConfig) -> dist.Store:
     ``MASTER_ADDR``/``MASTER_PORT``) rank 0 hosts it, on loopback only when ``MASTER_ADDR`` is
     a loopback address (:func:`loopback_listener`).
     """
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = restart_count()
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     connect_s = min(config.timeout_s, STORE_CONNECT_TIMEOUT_S)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -168,3 +174,15 @@ def close(*, synchronize: bool) -> None:
         if synchronize:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """Flush logs and streams, then end the process with ``code`` and without C++ static
+    destructors. Call it once everything is written (atomically, fsync'd) and the process group
+    is gone (:func:`close`): with gloo, a background thread still alive when static destructors
+    run intermittently aborts the process ("terminate called without an active exception"),
+    which would turn a finished job into a failed one. ``atexit`` handlers do not run."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from poise.checkpoint import layout
-from poise.runtime.samples import read_samples
+from poise.train.samples import read_samples
 from tests.conftest import ROOT, run_poise
 
 pytestmark = pytest.mark.e2e

@@ -67,7 +67,7 @@ def test_plain_torchrun_runs_the_same_worker(digits_run, tmp_path):
     path = cfg.save(cfg.from_dict(data), tmp_path / "config.toml")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "poise.runtime.worker", "--config", str(path)],
+         "-m", "poise.train.worker", "--config", str(path)],
         capture_output=True, text=True, timeout=180, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,7 +14,7 @@ from poise.checkpoint import layout
 from poise.checkpoint.saver import Checkpointer
 from poise.cli import build_parser, main
 from poise.cli import train as train_cli
-from poise.runtime.worker import clip_and_step
+from poise.train.recipe import clip_and_step
 from tests.unit.test_checkpoint import _config, _model, _state
 
 

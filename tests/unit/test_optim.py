@@ -1,4 +1,4 @@
-"""poise.optim.AdamW: torch's AdamW until the freeze, then Adam's update with the second moment fixed."""
+"""poise.train.optim.AdamW: torch's AdamW until the freeze, then Adam's update with the second moment fixed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from poise.config import CommConfig
-from poise.optim import AdamW
+from poise.train.optim import AdamW
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,7 +113,7 @@ def test_compression_start_rule():
 
 def test_the_learning_rate_schedule_warms_up_decays_and_then_stays_at_a_tenth():
     """A run longer than its schedule (train.schedule_steps) trains on at the schedule's final rate."""
-    from poise.runtime.worker import lr_schedule
+    from poise.train.recipe import lr_schedule
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
     scheduler = lr_schedule(optimizer, warmup_steps=10, total_steps=100)

@@ -1,22 +1,18 @@
-"""How every poise worker process starts and ends (``-m poise.runtime.worker``, the pipeline's
-worker, ``poise.diagnostics.busbw``), in one place.
+"""How a poise worker process that runs a config starts and ends (``-m poise.train.worker``,
+the pipeline's worker), in one place.
 
 Start: read the resolved config, join the process group, check that every rank resolved the
 same config, run the job; on any error leave the group without waiting for the others and
 re-raise, so torchrun reports this rank's traceback (``@record`` on the caller).
 
-End: leave with ``os._exit`` once everything is written (atomically, fsync'd) and the process
-group is gone. With gloo, a background thread still alive when C++ static destructors run
-intermittently aborts the process ("terminate called without an active exception"), which
-would turn a finished job into a failed one.
+End: leave this worker's slowdown cgroup, then the process with ``os._exit`` once everything is
+written and the process group is gone (:func:`poise.runtime.dist.exit_process` says why).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -48,12 +44,9 @@ def run_config_job(argv: list[str] | None, prog: str, command: str,
 
 
 def leave(code: int) -> None:
-    """Remove this worker's slowdown cgroup (``atexit`` will not run), flush logs and streams, then
-    end the process without static destructors (see above)."""
-    from poise.runtime.slowdown import leave_cgroup
+    """Remove this worker's slowdown cgroup (``atexit`` will not run), then end the process
+    (:func:`~poise.runtime.dist.exit_process`)."""
+    from poise.emulate.speed import leave_cgroup
 
     leave_cgroup()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    rdist.exit_process(code)

@@ -1,4 +1,4 @@
-"""From the config and a built-in task to this rank's batch sampler, for ``poise train``.
+"""From the config to a built-in task and this rank's batch sampler, for ``poise train``.
 
 The three strategies of ``--balance`` (see :func:`poise.balance.make_sampler`):
 
@@ -16,11 +16,25 @@ user's own script.
 from __future__ import annotations
 
 import numpy as np
+import torch.distributed as dist
 
 from poise.balance.costs import AttentionCost
 from poise.balance.sampler import BalancedBatchSampler, StaticSchedule, make_sampler
 from poise.config import RunConfig
+from poise.runtime.dist import DistContext
 from poise.tasks.base import Task
+from poise.tasks.registry import build_task
+
+
+def build_task_once_per_node(config: RunConfig, ctx: DistContext) -> Task:
+    """The configured task. Local rank 0 builds first (it may index and cache the corpus); the
+    others then load the cache instead of all parsing the same files at once."""
+    if ctx.local_rank != 0:
+        dist.barrier()
+    task = build_task(config)
+    if ctx.local_rank == 0:
+        dist.barrier()
+    return task
 
 
 def cost_alpha(config: RunConfig, task: Task) -> float:

@@ -1,0 +1,23 @@
+"""The per-rank entry point of ``poise train``: ``torchrun ... -m poise.train.worker --config DIR/config.toml``.
+
+``poise train`` starts this module through torch's elastic launcher; users can start it with a
+plain ``torchrun`` just as well. It reads the resolved config, joins the process group and
+runs :func:`poise.train.loop.train` (how a worker starts and ends: :mod:`poise.train.entry`).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from poise.train import entry
+from poise.train.loop import train
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry point; errors propagate so torchrun reports them with this rank's traceback."""
+    return entry.run_config_job(argv, "poise.train.worker", "train", train)
+
+
+if __name__ == "__main__":
+    entry.leave(main())

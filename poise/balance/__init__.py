@@ -5,8 +5,9 @@ from poise.balance.costs import AttentionCost, as_cost_fn, linear_cost
 from poise.balance.metrics import balance, balance_ceiling, idle_fraction
 from poise.balance.partition import PlanSummary, describe_plan, partition, stage_times
 from poise.balance.rebalance import DynamicPartitioner
-from poise.balance.sampler import BalancedBatchSampler, StaticSchedule, make_sampler
+from poise.balance.sampler import BalancedBatchSampler, make_sampler
 from poise.balance.stage_count import recommend
+from poise.balance.static_schedule import StaticSchedule
 from poise.balance.weights import loss_weight
 
 __all__ = [

@@ -1,251 +1,36 @@
-"""Batch samplers: the static baseline and the cost- and speed-aware :class:`BalancedBatchSampler`.
+"""The cost- and speed-aware :class:`BalancedBatchSampler`, and the sampler of a balance strategy.
 
-Both are torch batch samplers (``DataLoader(batch_sampler=...)`` yields this rank's lists
-of sample indices) with ``set_epoch``, ``len`` (steps in the epoch, equal on every rank),
-``state_dict``/``load_state_dict`` (the position to checkpoint), and one more method the
-runtime uses: ``global_batches(step)``, every rank's indices for a step. Each rank can
-compute it without communicating, which is how a rank knows its share of the step's loss
-terms (for exact gradient weighting) and how all ranks agree on the number of steps.
-
-A DataLoader takes batches from its sampler ahead of the loop (``num_workers`` > 0 prefetches
-several), so the sampler's ``position`` runs ahead of the step being trained. Each sampler
-therefore keeps ``handed``: the ``(epoch, step, time)`` of every batch it gave out and nobody has
-claimed yet, in order. :class:`poise.Session` claims one per training step, which is how it
-knows which step of the plan the batch in hand belongs to.
-
-``set_epoch(e)`` right after ``load_state_dict`` of a state saved inside epoch ``e`` keeps the
-loaded position, so the usual ``for epoch in range(start, epochs): sampler.set_epoch(epoch)``
-loop resumes mid-epoch instead of starting the epoch over.
-
-- :class:`StaticSchedule`: torch's ``DistributedSampler`` (equal sample counts, shuffled by
-  seed and epoch, ``drop_last``) cut into fixed-size batches, or into per-rank token budgets
-  where the shortest rank sets the epoch's step count. The baseline.
 - :class:`BalancedBatchSampler`: the shard planner (:mod:`poise.balance.sharding`): steps of
   a cost budget with length bucketing, split by predicted time using per-rank speeds that
   can be updated between steps.
+- :func:`make_sampler`: the batch sampler of a balance strategy (``static``: the baseline
+  :class:`~poise.balance.static_schedule.StaticSchedule`; ``cost``, ``dynamic``: the balanced
+  one); :func:`sampler_inputs`: the per-sample metadata and cost function it plans with, from
+  what a user gives.
 
-Resuming on another number of ranks (an elastic restart): ``load_state_dict`` of a state
-saved with a different ``world_size`` rebuilds the saved plan, takes the samples its epoch
-had not reached yet (:meth:`remaining_samples`) and plans only those over the new ranks
-(``set_epoch(epoch, remaining=...)``), so the epoch still trains on every sample once.
+What every sampler shares (the batch sampler interface with ``global_batches``, batches
+handed out and not yet claimed, resuming mid-epoch and on another number of ranks) is
+:class:`~poise.balance.epoch_sampler.EpochSampler`'s.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import time
-from abc import ABC, abstractmethod
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DistributedSampler
 
 from poise.balance.costs import AttentionCost, CostFn, as_cost_fn, linear_cost
+from poise.balance.epoch_sampler import EpochSampler
 from poise.balance.sharding import plan_epoch, take_step
+from poise.balance.static_schedule import StaticSchedule
 
 # cost(L) = L + α·L² with α ≈ 1/(6·d_model): a prior for small transformers; pass your own.
 DEFAULT_ALPHA = 1e-3
-# more batches than any DataLoader prefetches, none claimed: the sampler runs without a session
-_UNCLAIMED_WARNING = 256
-log = logging.getLogger(__name__)
 
 
-class _EpochSampler(ABC):
-    """What both samplers share: an epoch of planned steps and this rank's position in it."""
-
-    rank: int
-    epoch: int
-    position: int
-    _steps: Sequence[Any]
-    # (epoch, step, perf_counter seconds when handed) of batches given out and not yet claimed, oldest first
-    handed: deque[tuple[int, int, float]]
-    _keep_epoch: int | None = None  # set by load_state_dict: the next set_epoch(that epoch) keeps the position
-
-    def __len__(self) -> int:
-        """Steps in the current epoch (the same on every rank)."""
-        return len(self._steps)
-
-    @abstractmethod
-    def global_batches(self, step: int) -> list[np.ndarray]:
-        """Every rank's sample indices for ``step`` of the current epoch."""
-
-    @abstractmethod
-    def remaining_samples(self) -> np.ndarray:
-        """Sample indices of the current epoch's steps from ``position`` on (not trained on yet)."""
-
-    def __iter__(self) -> Iterator[list[int]]:
-        """This rank's batches from the current position to the end of the epoch."""
-        self.handed.clear()  # a new pass: batches prefetched by an abandoned one never reach the loop
-        while self.position < len(self):
-            step = self.position
-            batch = self.global_batches(step)[self.rank]
-            self.position += 1
-            self.handed.append((self.epoch, step, time.perf_counter()))
-            if len(self.handed) == _UNCLAIMED_WARNING:
-                log.warning("%s: %d batches handed out and none trained through poise.Session: ranks' batches "
-                            "differ, so each rank's mean loss must be weighted by poise.balance.loss_weight("
-                            "sampler.global_batches(step), rank, loss_terms) for an unbiased gradient "
-                            "(poise.Session does it)", type(self).__name__, _UNCLAIMED_WARNING)
-            yield batch.tolist()
-
-    def steps_in_epochs(self, num_epochs: int) -> int:
-        """Steps of epochs ``0 .. num_epochs - 1`` as planned now (a re-fitted cost function can
-        change later epochs a little); plans each of them, so call it before training: it
-        leaves the sampler at the start of epoch 0."""
-        total = 0
-        for epoch in range(num_epochs):
-            self.set_epoch(epoch)
-            total += len(self)
-        self.set_epoch(0)
-        return total
-
-    def _begin_epoch(self, epoch: int, remaining: np.ndarray | None) -> bool:
-        """Common start of ``set_epoch``; False when the position loaded for ``epoch`` is kept."""
-        if remaining is None and self._keep_epoch is not None and epoch == self._keep_epoch:
-            self._keep_epoch = None
-            return False
-        self._keep_epoch = None
-        self.epoch, self.position = epoch, 0
-        self.handed = deque()
-        return True
-
-
-class StaticSchedule(_EpochSampler):
-    """The baseline: ``DistributedSampler`` shares cut into batches (see module doc).
-
-    Args:
-        lengths: tokens per sample (only used with ``batch_tokens``).
-        batch_size: samples per rank per step; the incomplete last batch is dropped.
-        batch_tokens: instead, padded tokens per rank per step (``max length × samples``).
-    """
-
-    def __init__(
-        self,
-        lengths: np.ndarray,
-        *,
-        rank: int,
-        world_size: int,
-        seed: int = 0,
-        batch_size: int | None = None,
-        batch_tokens: int | None = None,
-    ) -> None:
-        if (batch_size is None) == (batch_tokens is None):
-            raise ValueError("give exactly one of batch_size and batch_tokens")
-        self.lengths = np.asarray(lengths)
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.batch_size, self.batch_tokens = batch_size, batch_tokens
-        self.epoch, self.position = 0, 0
-        self.remaining: np.ndarray | None = None
-        self._steps: list[list[np.ndarray]] = []
-        self.set_epoch(0)
-        if not self._steps:
-            raise ValueError(
-                f"the training split ({len(self.lengths)} samples) is too small for {world_size} ranks "
-                f"with batch_size={batch_size} batch_tokens={batch_tokens}"
-            )
-
-    def _rank_batches(self, rank: int) -> list[np.ndarray]:
-        sampler = DistributedSampler(
-            range(len(self.lengths)), num_replicas=self.world_size, rank=rank, shuffle=True, seed=self.seed,
-            drop_last=True,
-        )
-        sampler.set_epoch(self.epoch)
-        order = np.fromiter(iter(sampler), dtype=np.int64)
-        if self.batch_size is not None:
-            n = len(order) // self.batch_size
-            return list(order[: n * self.batch_size].reshape(n, self.batch_size))
-        assert self.batch_tokens is not None
-        batches: list[np.ndarray] = []
-        start, longest = 0, 0
-        for k, idx in enumerate(order):
-            length = int(self.lengths[idx])
-            if k > start and max(longest, length) * (k - start + 1) > self.batch_tokens:
-                batches.append(order[start:k])
-                start, longest = k, 0
-            longest = max(longest, length)
-        return batches  # the last, partial batch is dropped like DistributedSampler's tail
-
-    def _deal(self, remaining: np.ndarray) -> list[list[np.ndarray]]:
-        """Steps over ``remaining`` only (in its order): samples dealt to ranks in turn, a step
-        closing when the next rank's batch is full. Nothing is dropped: a last step too small
-        to give every rank a sample joins the step before it."""
-        steps: list[list[np.ndarray]] = []
-        current: list[list[int]] = [[] for _ in range(self.world_size)]
-        k = 0
-        for idx in remaining.tolist():
-            r = k % self.world_size
-            batch = current[r]
-            if self.batch_size is not None:
-                full = len(batch) >= self.batch_size
-            else:
-                assert self.batch_tokens is not None
-                longest = max([int(self.lengths[i]) for i in batch] + [int(self.lengths[idx])])
-                full = bool(batch) and longest * (len(batch) + 1) > self.batch_tokens
-            if full and k >= self.world_size:
-                steps.append([np.asarray(b, dtype=np.int64) for b in current])
-                current, k, r = [[] for _ in range(self.world_size)], 0, 0
-            current[r].append(idx)
-            k += 1
-        if k >= self.world_size:
-            steps.append([np.asarray(b, dtype=np.int64) for b in current])
-        elif k and steps:
-            for j, idx in enumerate(i for b in current for i in b):
-                last = steps[-1][j % self.world_size]
-                steps[-1][j % self.world_size] = np.append(last, idx)
-        elif k:
-            raise ValueError(f"{k} samples left in the epoch cannot give each of {self.world_size} ranks one")
-        return steps
-
-    def set_epoch(self, epoch: int, remaining: np.ndarray | None = None) -> None:
-        """Plan ``epoch``: every rank's batches, cut to the count of the rank with fewest.
-
-        With ``remaining``, plan only those samples (the rest of an epoch resumed on another
-        number of ranks) and drop none of them.
-        """
-        if not self._begin_epoch(epoch, remaining):
-            return
-        self.remaining = None if remaining is None else np.asarray(remaining, dtype=np.int64)
-        if self.remaining is not None:
-            self._steps = self._deal(self.remaining)
-            return
-        per_rank = [self._rank_batches(r) for r in range(self.world_size)]
-        steps = min(len(b) for b in per_rank)
-        self._steps = [[per_rank[r][i] for r in range(self.world_size)] for i in range(steps)]
-
-    def global_batches(self, step: int) -> list[np.ndarray]:
-        """Every rank's sample indices for ``step`` of the current epoch."""
-        return self._steps[step]
-
-    def remaining_samples(self) -> np.ndarray:
-        rest = [b for step in self._steps[self.position :] for b in step]
-        return np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
-
-    def state_dict(self, position: int | None = None) -> dict[str, Any]:
-        """Where the epoch stands; ``position``: the step to resume at (default: the next one
-        not handed out; a loop that has not trained on every handed batch passes its own)."""
-        position = self.position if position is None else position
-        return {"epoch": self.epoch, "position": position, "world_size": self.world_size,
-                "remaining": None if self.remaining is None else self.remaining.tolist()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` stopped; on another number of ranks, re-plan the epoch's rest."""
-        self._keep_epoch = None
-        saved_world = int(state.get("world_size", self.world_size))
-        if saved_world != self.world_size:
-            saved = StaticSchedule(self.lengths, rank=0, world_size=saved_world, seed=self.seed,
-                                   batch_size=self.batch_size, batch_tokens=self.batch_tokens)
-            saved.load_state_dict(state)
-            self.set_epoch(saved.epoch, remaining=saved.remaining_samples())
-        else:
-            self.set_epoch(int(state["epoch"]), state.get("remaining"))
-            self.position = int(state["position"])
-        self._keep_epoch = self.epoch
-
-
-class BalancedBatchSampler(_EpochSampler):
+class BalancedBatchSampler(EpochSampler):
     """This rank's batches under a cost- and speed-aware plan (see :mod:`poise.balance.sharding`).
 
     All ranks built with the same arguments together cover every index exactly once per

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from poise.balance.costs import AttentionCost
-from poise.balance.sampler import BalancedBatchSampler, StaticSchedule
+from poise.balance.sampler import BalancedBatchSampler
+from poise.balance.static_schedule import StaticSchedule
 
 
 def _static(world: int, **kw):

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from poise.balance import as_cost_fn, make_sampler
 from poise.balance.costs import AttentionCost
-from poise.balance.sampler import BalancedBatchSampler, StaticSchedule
+from poise.balance.sampler import BalancedBatchSampler
+from poise.balance.static_schedule import StaticSchedule
 
 
 def test_static_fixed_batches_cover_disjoint_equal_shares():

@@ -94,8 +94,8 @@ def main() -> None:
     torch.manual_seed(0)
     dataset = Definitions(args.max_len, max_samples=4000)
     model = DDP(ByteLM(d_model=64, num_layers=2, max_len=args.max_len))
-    session = poise.Session(model, lengths=dataset.lengths, loss_terms=dataset.lengths - 1, batch_size=args.batch_size,
-                            balance="dynamic", rank_speed=args.rank_speed, out_dir=args.out)
+    data = poise.Data(lengths=dataset.lengths, loss_terms=dataset.lengths - 1, batch_size=args.batch_size)
+    session = poise.Session(model, data, balance="dynamic", emulate=args.rank_speed, out_dir=args.out)
     sampler = session.sampler
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -103,10 +103,13 @@ def main() -> None:
     while done < args.steps:
         sampler.set_epoch(epoch)
         for step, (inputs, targets) in session.steps(loader):
-            step.backward(lm_loss(model(inputs), targets))
+            loss = lm_loss(model(inputs), targets)
+            step.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             done += 1
+            if dist.get_rank() == 0 and done in (1, args.steps):
+                print(f"step {done} loss {loss.item():.3f}")  # rank 0's batch, nats per byte
             if done == args.steps:
                 break
         epoch += 1

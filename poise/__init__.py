@@ -13,9 +13,18 @@ setting, typed and validated). The command line (``poise train``, ``poise bench`
 built on the same API.
 """
 
-from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, MetricsConfig, RunConfig, StragglerConfig
+from poise.config import (
+    BalanceConfig,
+    CommConfig,
+    DiagnosticsConfig,
+    EmulateConfig,
+    MetricsConfig,
+    RunConfig,
+    StragglerConfig,
+)
+from poise.run.data import Data
 from poise.run.session import DeadlineStep, Session, Step
 
-__all__ = ["BalanceConfig", "CommConfig", "DeadlineStep", "DiagnosticsConfig", "MetricsConfig", "RunConfig",
-           "Session", "Step", "StragglerConfig"]
+__all__ = ["BalanceConfig", "CommConfig", "Data", "DeadlineStep", "DiagnosticsConfig", "EmulateConfig",
+           "MetricsConfig", "RunConfig", "Session", "Step", "StragglerConfig"]
 __version__ = "0.1.0"

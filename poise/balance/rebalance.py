@@ -272,6 +272,13 @@ class DynamicPartitioner:
         every = self.replan_every_steps
         return len(self.window) > 0 and (steps_done % every == 0 if since < 0 else since % every == 0)
 
+    def after_step(self, recorded: int, steps_done: int, last_step: int | None = None) -> None:
+        """A step ended: ``recorded`` of the ``steps_done`` steps have their figures observed
+        (on CUDA one lags); re-plan when :meth:`due` and steps remain before ``last_step`` (the
+        run's last, if known). A collective when it re-plans: every rank reaches it alike."""
+        if self.due(recorded) and (last_step is None or steps_done < last_step):
+            self.replan(steps_done)
+
     def replan(self, step: int) -> Replan:
         """Exchange windows (a collective: call on every rank at the same step) and re-split."""
         mine = torch.tensor(list(self.window), dtype=torch.float64, device=self.device)

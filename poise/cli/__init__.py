@@ -7,6 +7,7 @@ import logging
 import sys
 
 from poise.cli import bench, checkpoint, cluster, demo, diagnose, pipeline, plan, train
+from poise.emulate.speed import remove_stale_groups
 from poise.log import setup_logging
 
 log = logging.getLogger("poise.cli")
@@ -48,3 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     except KeyboardInterrupt:
         return 130
+    finally:
+        # killed workers leave their emulated slowdown cgroups (--rank-speed) behind
+        for group in remove_stale_groups():
+            log.info("removed the cgroup %s of a worker that is gone", group)

@@ -46,9 +46,6 @@ from poise.run.session import Session
 
 log = logging.getLogger(__name__)
 
-# Session arguments attach sets itself.
-_OWN_ARGS = ("backward",)
-
 
 def attach(accelerator: Accelerator, model: nn.Module, **session_kwargs: Any) -> Session:
     """A :class:`poise.Session` on ``model``, the DDP model ``accelerator.prepare`` returned.
@@ -56,9 +53,10 @@ def attach(accelerator: Accelerator, model: nn.Module, **session_kwargs: Any) ->
     Args:
         accelerator: the run's Accelerator (its process group is the session's).
         model: the prepared model, as ``accelerator.prepare`` returned it.
-        **session_kwargs: :class:`poise.Session`'s keyword arguments (``lengths``, ``loss_terms``,
-            ``batch_size``, ``balance``, ``comm``, ``out_dir``, ``accum_steps``, ...), same units;
-            ``backward`` is ``accelerator.backward``.
+        **session_kwargs: :meth:`poise.Session.from_kwargs`'s keywords (:class:`poise.Data`'s
+            ``lengths``, ``loss_terms``, ``batch_size``, ``accum_steps``, ...; the session's
+            ``balance``, ``comm``, ``out_dir``, ...), same units. The session's ``backward`` is
+            ``accelerator.backward``.
 
     Returns:
         The session; ``session.model`` is ``model`` with poise's comm hook registered.
@@ -67,9 +65,6 @@ def attach(accelerator: Accelerator, model: nn.Module, **session_kwargs: Any) ->
         ValueError: one line, when Accelerate runs one process, shards the model (FSDP,
             DeepSpeed, Megatron), accumulates gradients itself, or ``model`` is not its DDP model.
     """
-    given = [name for name in _OWN_ARGS if name in session_kwargs]
-    if given:
-        raise ValueError(f"attach() sets {', '.join(given)} itself (accelerator.backward)")
     kind = accelerator.distributed_type
     if kind == DistributedType.NO:
         raise ValueError("attach(): Accelerate runs a single process here, so there is nothing to balance or "
@@ -89,7 +84,9 @@ def attach(accelerator: Accelerator, model: nn.Module, **session_kwargs: Any) ->
                     "but the training loader must be session.dataloader(dataset) (or batch_sampler="
                     "session.sampler) without prepare, or Accelerate shards its batches again",
                     len(accelerator._dataloaders))
-    return Session(model, backward=accelerator.backward, **session_kwargs)
+    session = Session.from_kwargs(model, **session_kwargs)
+    session.backward = accelerator.backward  # its grad scaler under mixed precision
+    return session
 
 
 __all__ = ["attach"]

@@ -32,7 +32,6 @@ user's, so a step could not know which one to weight).
 from __future__ import annotations
 
 import atexit
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -50,17 +49,17 @@ except ImportError:
 
 from poise.comm import builder as comm_builder
 from poise.config import CommConfig
+from poise.run.session import DATA_FIELDS, SESSION_KEYWORDS, Session, Step
 from poise.runtime import dist as rdist
-from poise.run.session import Session, Step
 
 log = logging.getLogger(__name__)
 
 # DDPStrategy arguments that register a comm hook of their own (on CUDA only): poise's replaces them.
 _HOOK_ARGS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 # DataLoader settings carried over to the rebuilt training loader (batching is the sampler's).
-# Session arguments the strategy derives from the trainer; every other one of Session's keywords is taken.
-_SET_HERE = ("model", "accum_steps", "total_steps", "backward", "rank", "world_size")
-_SESSION_ARGS = frozenset(inspect.signature(Session).parameters) - frozenset(_SET_HERE)
+# Session arguments the strategy derives from the trainer; every other one of Session.from_kwargs's is taken.
+_SET_HERE = ("accum_steps", "total_steps")
+_SESSION_ARGS = frozenset(DATA_FIELDS + SESSION_KEYWORDS) - frozenset(_SET_HERE)
 _LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
                 "generator", "persistent_workers", "pin_memory_device", "in_order")
 
@@ -131,7 +130,7 @@ class PoiseStrategy(DDPStrategy):
             self._ddp_kwargs.setdefault("bucket_cap_mb", self.comm_config.bucket_mb)
         super().configure_ddp()
         trainer = module.trainer
-        self.session = Session(
+        self.session = Session.from_kwargs(
             self.model, accum_steps=trainer.accumulate_grad_batches,
             total_steps=trainer.max_steps if trainer.max_steps > 0 else None, **self._session_kwargs,
         )

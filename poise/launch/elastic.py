@@ -103,22 +103,12 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
             log.info("launching: torchrun %s", " ".join(argv))
             elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
-        _remove_stale_cgroups()
         rank, failure = root_failure(exc)
         sys.stderr.write(
             f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
         )
         return 1
-    _remove_stale_cgroups()
     return 0
-
-
-def _remove_stale_cgroups() -> None:
-    """Killed workers leave their slowdown cgroups (``--rank-speed``) behind: remove them."""
-    from poise.runtime.slowdown import remove_stale_groups
-
-    for group in remove_stale_groups():
-        log.info("removed the cgroup %s of a worker that is gone", group)
 
 
 @contextmanager

@@ -1,23 +1,81 @@
 """One training step of a :class:`poise.Session`: :class:`Step`, and :class:`DeadlineStep` under
-``straggler`` (micro-batches until the shared deadline, see :mod:`poise.straggler.steps`).
+``straggler`` (micro-batches until the shared deadline, see :mod:`poise.sync.deadline`).
 
-Kept apart from the session (what lives across steps) so each file holds one concept. A step
-reaches its session only through the instance it is given (typed ``Any`` here: the session
-module imports this one, never the other way round).
+A step is given a :class:`StepEnv`, the typed few things it needs (the synchronization
+strategy, the clock, the samples' lengths, the recorder that owns the open step, the
+listeners told when a step begins and ends), never the session itself. It calls the strategy
+at its fixed points (:mod:`poise.sync.base`): ``begin_step`` and ``micro_batch`` when it opens,
+``micro_batch`` again before each micro-batch of a deadline step, ``end_step`` after the
+optimizer step, and reads its traffic when it closes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from poise.run.marks import StepMarks
-from poise.sync.deadline import StepPlan, zero_backward
+from poise.runtime.clock import Clock
+from poise.sync import Deadline, Sync
+from poise.sync.deadline import StepPlan
+
+
+class StepListener(Protocol):
+    """Told when a step begins and ends (emulation hangs its per-step state here, from outside
+    the step: ``poise/emulate/``)."""
+
+    def step_began(self, index: int) -> None: ...
+
+    def step_ended(self, index: int) -> None: ...
+
+    def injected_s(self) -> float:
+        """Seconds of this step that stand for a slower device (emulated sleeps), which the
+        record leaves out of the rank's compute seconds."""
+        ...
+
+
+class StepOwner(Protocol):
+    """Who keeps the open step and records closed ones (:class:`poise.run.record.Recorder`)."""
+
+    def is_open(self, step: Step) -> bool: ...
+
+    def opened(self, step: Step) -> float | None:
+        """``step`` opens; returns ``time.process_time()`` when the previous step ended (None: none did)."""
+        ...
+
+    def closed(self, step: Step, marks: StepMarks) -> None: ...
+
+    def aborted(self, step: Step) -> None: ...
+
+
+@dataclass
+class StepEnv:
+    """What a step needs of its session (see module doc).
+
+    Attributes:
+        sync: the synchronization strategy (a :class:`~poise.sync.Deadline` for deadline steps).
+        clock: what marks are (host seconds, or CUDA events).
+        lengths: per-sample size, to count a step's tokens.
+        world_size: ranks in the process group.
+        owner: keeps the open step; records it when it ends.
+        listeners: told when a step begins and ends.
+        backward: the default way :meth:`Step.backward` runs backward (``accelerator.backward``;
+            None: ``loss.backward()``). Read at each call.
+    """
+
+    sync: Sync
+    clock: Clock
+    lengths: np.ndarray
+    world_size: int
+    owner: StepOwner
+    listeners: Sequence[StepListener] = ()
+    backward: Callable[[torch.Tensor], Any] | None = None
 
 
 class Step:
@@ -34,14 +92,13 @@ class Step:
         loss: the loss given to :meth:`backward` (a detached tensor), or None.
     """
 
-    def __init__(self, session: Any, *, index: int, epoch: int, position: int, indices: np.ndarray,
+    def __init__(self, env: StepEnv, *, index: int, epoch: int, position: int, indices: np.ndarray,
                  weight: float, sync: bool) -> None:
-        self.session = session
+        self.env = env
         self.index, self.epoch, self.position = index, epoch, position
         self.indices, self.weight, self.sync = indices, weight, sync
         self.skipped = False
         self.loss: torch.Tensor | None = None
-        self._no_sync: Any = None
         self._marks: StepMarks | None = None
         self._cpu_from = self._thread_cpu_from = 0.0  # process and thread CPU seconds where the step began
 
@@ -51,26 +108,35 @@ class Step:
         return self._marks is not None and self._marks.backward_end is not None
 
     def _open(self, data_s: float) -> None:
-        s = self.session
-        s._active = self
-        s.probe.reset()
-        s.comm_state.reset_step()
-        s.slowdown.begin_step(self.index)
-        s.slowdown.mark_s = time.perf_counter()
-        if not self.sync:
-            # DDP's no_sync must cover the forward too: it arms (or not) the reduction there.
-            self._no_sync = s.model.no_sync()
-            self._no_sync.__enter__()
+        env = self.env
+        last_exit_cpu_s = env.owner.opened(self)
+        for listener in env.listeners:
+            listener.step_began(self.index)
+        env.sync.begin_step(self.index)
+        env.sync.micro_batch(self.sync)  # DDP's no_sync must cover the forward too: it arms the reduction there
         # CPU since the previous step ended (its data loading included), or from here for the first
-        self._cpu_from = s._last_exit_cpu_s if s._last_exit_cpu_s is not None else time.process_time()
+        self._cpu_from = last_exit_cpu_s if last_exit_cpu_s is not None else time.process_time()
         self._thread_cpu_from = time.thread_time()
-        lengths = s.lengths[self.indices]
-        self._marks = StepMarks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=s.clock.mark(),
-                             indices=self.indices, samples=len(lengths), tokens=int(lengths.sum()),
-                             padded_tokens=int(len(lengths) * lengths.max()) if len(lengths) else 0)
+        lengths = env.lengths[self.indices]
+        self._marks = StepMarks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=env.clock.mark(),
+                                indices=self.indices, samples=len(lengths), tokens=int(lengths.sum()),
+                                padded_tokens=int(len(lengths) * lengths.max()) if len(lengths) else 0)
+
+    def _open_marks(self, what: str) -> StepMarks:
+        """The marks of this step if it is open; a one-line error naming ``what`` otherwise."""
+        if self._marks is None or not self.env.owner.is_open(self):
+            raise ValueError(f"{what} on step {self.index}, which has ended: open one with session.step()")
+        return self._marks
 
     def __enter__(self) -> Step:
         return self
+
+    def _run_backward(self, weighted: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None) -> None:
+        run = backward or self.env.backward
+        if run is None:
+            weighted.backward()
+        else:
+            run(weighted)
 
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None) -> None:
         """Weight ``loss`` (the mean over this rank's batch) and run backward; gradients are
@@ -80,23 +146,16 @@ class Step:
         Raises:
             ValueError: after the step ended, or a second time in one step.
         """
-        s, m = self.session, self._marks
-        if m is None or s._active is not self:
-            raise ValueError(f"step.backward() on step {self.index}, which has ended: open one with session.step()")
+        m = self._open_marks("step.backward()")
         if m.backward is not None:
             raise ValueError(f"step.backward() called twice in step {self.index}: once per step")
-        s.slowdown.stretch()  # emulated slowness of the forward counts as this rank's compute
-        m.backward = s.clock.mark()
-        weighted = loss * self.weight
-        run = backward or s.backward
-        if run is None:
-            weighted.backward()
-        else:
-            run(weighted)
-        m.backward_end = s.clock.mark()
+        env = self.env
+        m.backward = env.clock.mark()
+        self._run_backward(loss * self.weight, backward)
+        m.backward_end = env.clock.mark()
         m.compute_cpu_s = time.thread_time() - self._thread_cpu_from  # the forward since the step opened, and backward
-        m.ready = s.probe.last_ready
-        m.in_flight = list(s.probe.in_flight)
+        m.ready = env.sync.probe.last_ready
+        m.in_flight = list(env.sync.probe.in_flight)
         self.loss = loss.detach()
 
     def end(self) -> None:
@@ -106,36 +165,38 @@ class Step:
             ValueError: when the step is not open, or no :meth:`backward` ran in it (a plain
                 ``loss.backward()`` would leave the loss unweighted and the step untimed).
         """
-        s, m = self.session, self._marks
-        if m is None or s._active is not self:
+        m = self._marks
+        if m is None or not self.env.owner.is_open(self):
             raise ValueError(f"step {self.index} is not open: end() once per session.step()")
-        self._leave_no_sync()
-        s._active = None
+        env = self.env
         if m.backward is None:
-            what = (f"{s.probe.buckets_this_step} gradient buckets were reduced, so backward ran outside it: "
+            buckets = env.sync.probe.buckets_this_step
+            self.abort()
+            what = (f"{buckets} gradient buckets were reduced, so backward ran outside it: "
                     "call step.backward(loss), not loss.backward(), so the loss is weighted and timed"
-                    if s.probe.buckets_this_step else "no backward ran")
+                    if buckets else "no backward ran")
             raise ValueError(f"step {self.index} ended without step.backward(loss): {what}")
-        m.end = s.clock.mark()
+        env.sync.micro_batch(True)  # leave any accumulation context: the next step starts clean
+        env.sync.end_step(self.index)
+        m.end = env.clock.mark()
         m.cpu_s = time.process_time() - self._cpu_from
-        m.emulated_s = s.slowdown.slept_s
-        stats, inter = s.comm_state.step_stats(), s.comm_state.inter_node_stats()
+        for listener in env.listeners:
+            listener.step_ended(self.index)
+        m.emulated_s = sum(listener.injected_s() for listener in env.listeners)
+        stats, inter = env.sync.traffic()
         m.loss, m.skipped = self.loss, self.skipped
         m.raw_bytes, m.wire_bytes = stats.raw_bytes, stats.wire_bytes
         m.inter_node_raw_bytes, m.inter_node_wire_bytes = inter.raw_bytes, inter.wire_bytes
         m.codec_s = stats.encode_s + stats.decode_s
-        s._close_step(m)
+        env.owner.closed(self, m)
 
     def abort(self) -> None:
         """Close the step without recording it (an error interrupted it)."""
-        self._leave_no_sync()
-        if self.session._active is self:
-            self.session._active = None
-
-    def _leave_no_sync(self) -> None:
-        if self._no_sync is not None:
-            self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
+        self.env.sync.micro_batch(True)
+        if self.env.owner.is_open(self):
+            for listener in self.env.listeners:
+                listener.step_ended(self.index)
+            self.env.owner.aborted(self)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -146,19 +207,21 @@ class Step:
 
 
 class DeadlineStep(Step):
-    """A step under ``straggler`` (see :mod:`poise.straggler.steps`): micro-batches until the
+    """A step under ``straggler`` (see :mod:`poise.sync.deadline`): micro-batches until the
     shared deadline, one :meth:`backward` each; the reduction is the exact mean over the loss
     terms every rank actually computed.
 
     Attributes (besides :class:`Step`'s):
-        plan: the step's queues, deadline and counts (:class:`~poise.straggler.steps.StepPlan`).
+        plan: the step's queues, deadline and counts (:class:`~poise.sync.deadline.StepPlan`).
         trained: this rank's sample indices trained in the step (after :meth:`end`).
         empty: no rank computed anything (skip the optimizer step: the gradient is zero).
     """
 
-    def __init__(self, session: Any, *, plan: StepPlan, index: int, epoch: int, position: int,
+    def __init__(self, env: StepEnv, *, plan: StepPlan, index: int, epoch: int, position: int,
                  indices: np.ndarray) -> None:
-        super().__init__(session, index=index, epoch=epoch, position=position, indices=indices, weight=0.0, sync=True)
+        super().__init__(env, index=index, epoch=epoch, position=position, indices=indices, weight=0.0, sync=True)
+        assert isinstance(env.sync, Deadline)
+        self.deadline: Deadline = env.sync
         self.plan = plan
         self.trained = np.zeros(0, dtype=np.int64)
         self.empty = False
@@ -168,9 +231,8 @@ class DeadlineStep(Step):
 
     def micro_batches(self, load: Callable[[np.ndarray], Any]) -> Iterator[Any]:
         """This rank's micro-batches until the deadline, each loaded by ``load(indices)``."""
-        runner = self.session.deadline
-        assert runner is not None
-        self._micro = runner.micro_batches(self.plan, load, self._arm, self._zero_reduce)
+        self._micro = self.deadline.runner.micro_batches(self.plan, load, self.deadline.micro_batch,
+                                                         self._zero_reduce)
         return self._micro
 
     def _close_micro(self) -> None:
@@ -179,36 +241,18 @@ class DeadlineStep(Step):
             self._micro.close()
             self._micro = None
 
-    def _arm(self, last: bool) -> None:
-        """Before a micro-batch's forward: DDP reduces in its backward only when it is the last."""
-        if last:
-            self._leave_no_sync()
-        elif self._no_sync is None:
-            self._no_sync = self.session.model.no_sync()
-            self._no_sync.__enter__()
-
     def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None) -> None:
         """Weight ``loss`` (the mean over the micro-batch just handed out) and run backward."""
-        s, m, plan = self.session, self._marks, self.plan
-        runner = s.deadline
-        assert runner is not None
-        if m is None or s._active is not self:
-            raise ValueError(f"step.backward() on step {self.index}, which has ended")
+        m, plan, runner = self._open_marks("step.backward()"), self.plan, self.deadline.runner
         if plan.current is None or plan.backwards != plan.computed:
             raise ValueError(f"step.backward() in step {self.index}: once per micro-batch handed out by "
                              "micro_batches, inside its loop")
         plan.backwards += 1
-        s.slowdown.stretch()
         terms = runner.terms_of(plan.current)
-        weighted = loss * (s.world_size * terms / plan.reference)
         if plan.last:
-            m.backward = s.clock.mark()
+            m.backward = self.env.clock.mark()
             runner.begin_reduce(plan, plan.current)
-        run = backward or s.backward
-        if run is None:
-            weighted.backward()
-        else:
-            run(weighted)
+        self._run_backward(loss * (self.env.world_size * terms / plan.reference), backward)
         if plan.last:
             self._reduced(m)
         detached = loss.detach() * terms
@@ -216,38 +260,35 @@ class DeadlineStep(Step):
         self._terms += terms
 
     def _zero_reduce(self) -> None:
-        s, m = self.session, self._marks
-        assert m is not None and s.deadline is not None
-        m.backward = s.clock.mark()
-        s.deadline.begin_reduce(self.plan, None)
-        zero_backward(s.model)
+        m = self._marks
+        assert m is not None
+        m.backward = self.env.clock.mark()
+        self.deadline.runner.begin_reduce(self.plan, None)
+        self.deadline.zero_backward()
         self._reduced(m)
 
     def _reduced(self, m: StepMarks) -> None:
-        s = self.session
-        assert s.deadline is not None
-        m.backward_end = s.clock.mark()
-        m.ready = s.probe.last_ready
-        m.in_flight = list(s.probe.in_flight)
-        s.deadline.end_reduce(self.plan, s.model)
+        m.backward_end = self.env.clock.mark()
+        m.ready = self.deadline.probe.last_ready
+        m.in_flight = list(self.deadline.probe.in_flight)
+        self.deadline.runner.end_reduce(self.plan, self.deadline.model)
 
     def end(self) -> None:
         """Close the step (after your optimizer step): the pool and the record."""
-        s, m = self.session, self._marks
-        if m is None or s._active is not self:
+        m = self._marks
+        if m is None or not self.env.owner.is_open(self):
             raise ValueError(f"step {self.index} is not open: end() once per step")
-        assert s.deadline is not None
         self._close_micro()
         if self.plan.current is not None:
             raise ValueError(f"step {self.index}: the micro-batch loop was left between a micro-batch and its "
                              "step.backward(loss): that micro-batch is claimed and would be lost; leave the "
                              "loop after a backward")
         if not self.plan.reduced:  # the micro-batch loop was left early: join the reduction now
-            self._arm(True)
+            self.deadline.micro_batch(True)
             self._zero_reduce()
-        self.trained = s.deadline.finish_step(self.plan, sampler_step=self.position >= 0)
+        self.trained = self.deadline.runner.finish_step(self.plan, sampler_step=self.position >= 0)
         self.empty = self.plan.total_terms == 0
-        lengths = s.lengths[self.trained]
+        lengths = self.env.lengths[self.trained]
         m.indices, m.samples, m.tokens = self.trained, len(lengths), int(lengths.sum())
         m.padded_tokens = int(len(lengths) * lengths.max()) if len(lengths) else 0
         self.loss = self._loss_sum / self._terms if self._loss_sum is not None and self._terms else None
@@ -261,4 +302,4 @@ class DeadlineStep(Step):
         super().abort()
 
 
-__all__ = ["DeadlineStep", "Step"]
+__all__ = ["DeadlineStep", "Step", "StepEnv", "StepListener", "StepOwner"]

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -176,12 +177,25 @@ def close(*, synchronize: bool) -> None:
         dist.destroy_process_group()
 
 
+_ON_EXIT: list[Callable[[], None]] = []
+
+
+def on_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in :func:`exit_process`, before the process ends (``atexit`` handlers do not
+    run there): what a worker set up for its own lifetime and must undo (an emulated slow
+    rank's cgroup) registers here, so the exit path need not know what it is."""
+    _ON_EXIT.append(fn)
+
+
 def exit_process(code: int) -> None:
     """Flush logs and streams, then end the process with ``code`` and without C++ static
     destructors. Call it once everything is written (atomically, fsync'd) and the process group
     is gone (:func:`close`): with gloo, a background thread still alive when static destructors
     run intermittently aborts the process ("terminate called without an active exception"),
-    which would turn a finished job into a failed one. ``atexit`` handlers do not run."""
+    which would turn a finished job into a failed one. ``atexit`` handlers do not run; those
+    registered with :func:`on_exit` do, newest first."""
+    while _ON_EXIT:
+        _ON_EXIT.pop()()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -5,7 +5,7 @@ Start: read the resolved config, join the process group, check that every rank r
 same config, run the job; on any error leave the group without waiting for the others and
 re-raise, so torchrun reports this rank's traceback (``@record`` on the caller).
 
-End: leave this worker's slowdown cgroup, then the process with ``os._exit`` once everything is
+End: the process with ``os._exit`` (after what the worker registered to undo at exit) once everything is
 written and the process group is gone (:func:`poise.runtime.dist.exit_process` says why).
 """
 
@@ -44,9 +44,6 @@ def run_config_job(argv: list[str] | None, prog: str, command: str,
 
 
 def leave(code: int) -> None:
-    """Remove this worker's slowdown cgroup (``atexit`` will not run), then end the process
-    (:func:`~poise.runtime.dist.exit_process`)."""
-    from poise.emulate.speed import leave_cgroup
-
-    leave_cgroup()
+    """End the process (:func:`~poise.runtime.dist.exit_process`: what the worker registered to
+    undo at exit runs first, e.g. an emulated slow rank's cgroup)."""
     rdist.exit_process(code)

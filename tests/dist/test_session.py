@@ -59,9 +59,10 @@ def _model() -> nn.Module:
 
 
 def _exact(rank: int, world_size: int, comm: str, accum_steps: int) -> dict:
-    session = poise.Session(_model(), lengths=LENGTHS, loss_terms=LENGTHS, batch_cost=world_size * 6 * 20.0,
-                            balance="cost", comm=poise.CommConfig(codec=comm, start_step=0, error_feedback=False),
-                            accum_steps=accum_steps, dataset=Sequences())
+    data = poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_cost=world_size * 6 * 20.0, accum_steps=accum_steps,
+                      dataset=Sequences())
+    session = poise.Session(_model(), data, balance="cost",
+                            comm=poise.CommConfig(codec=comm, start_step=0, error_feedback=False))
     session.sampler.set_speeds([1.0, 3.0])  # rank 1 "three times faster": it gets about 3x the cost
     loader = session.dataloader(Sequences(), collate_fn=collate)
     out: dict = {"steps": [], "sizes": []}
@@ -95,7 +96,7 @@ def test_unequal_batches_give_the_gradient_of_the_whole_step(comm, accum_steps, 
 
 def _train_and_finish(rank: int, world_size: int, out_dir: str, steps: int) -> dict | None:
     session = poise.Session(
-        _model(), lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4, comm="fp16", out_dir=out_dir,
+        _model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4), comm="fp16", out_dir=out_dir,
         balance=poise.BalanceConfig(strategy="dynamic", cold_start_steps=3, replan_every_steps=20, window_steps=20),
         diagnostics=poise.DiagnosticsConfig(gather_every_steps=4, plot=True),
     )
@@ -148,7 +149,7 @@ def _resume(rank: int, world_size: int, prefetch: int) -> dict:
     """Train 5 steps with the DataLoader ``prefetch`` batches ahead, save, and resume in a new
     session: the steps after the save are the ones an uninterrupted run trains."""
     def session() -> poise.Session:
-        return poise.Session(_model(), lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4, balance="dynamic",
+        return poise.Session(_model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4), balance="dynamic",
                              comm=poise.CommConfig(codec="topk", start_step=0))
 
     def batches(s: poise.Session, count: int) -> list[list[int]]:
@@ -194,7 +195,7 @@ def _resume_from_rank_0(rank: int, world_size: int) -> list[float]:
     with a codec already compressing: the ranks must agree on its step, or gloo gets
     collectives of different sizes."""
     def session() -> poise.Session:
-        return poise.Session(_model(), lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4,
+        return poise.Session(_model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4),
                              comm=poise.CommConfig(codec="topk", start_step=3))
 
     def train(s: poise.Session, steps: int) -> list[float]:
@@ -232,12 +233,13 @@ def _misuse(rank: int, world_size: int) -> dict:
         except ValueError as exc:
             errors[name] = str(exc)
 
-    catch("rank", lambda: poise.Session(_model(), lengths=LENGTHS, batch_size=4, rank=1 - rank))
-    catch("world", lambda: poise.Session(_model(), lengths=LENGTHS, batch_size=4, world_size=3))
-    catch("dataset", lambda: poise.Session(_model(), lengths=LENGTHS[:10], batch_size=4, dataset=Sequences()))
+    catch("keyword", lambda: poise.Session.from_kwargs(_model(), lengths=LENGTHS, batch_size=4, rank=1 - rank))
+    catch("accum", lambda: poise.Data(lengths=LENGTHS, batch_size=4, accum_steps=0))
+    catch("dataset", lambda: poise.Session(_model(), poise.Data(lengths=LENGTHS[:10], batch_size=4,
+                                                                dataset=Sequences())))
     sampler = make_sampler("cost", LENGTHS, rank=0, world_size=1, batch_size=4)
-    catch("sampler", lambda: poise.Session(_model(), sampler=sampler))
-    session = poise.Session(_model(), lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4)
+    catch("sampler", lambda: poise.Session(_model(), poise.Data(sampler=sampler)))
+    session = poise.Session(_model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4))
     catch("no batch", session.step)
     other = DataLoader(Sequences(), batch_size=4, collate_fn=collate)
     for _ in other:  # a loader that does not use the session's sampler
@@ -262,8 +264,8 @@ def _misuse(rank: int, world_size: int) -> dict:
 
 def test_misuse_gets_one_line_naming_what_is_expected():
     for rank, errors in enumerate(run_ranks(_misuse, world_size=2, timeout_s=90)):
-        assert errors["rank"] == f"rank={1 - rank} but this process is rank {rank} of the process group"
-        assert errors["world"] == "world_size=3 but the process group has 2 ranks"
+        assert errors["keyword"].startswith("unknown session keyword(s) rank: allowed are accum_steps, balance,")
+        assert errors["accum"] == "accum_steps=0 must be >= 1"
         assert errors["dataset"] == "the dataset has 96 samples but lengths has 10"
         assert errors["sampler"] == (f"the sampler was made for rank 0 of 1, but this process is rank {rank} of 2")
         for key in ("no batch", "foreign loader"):

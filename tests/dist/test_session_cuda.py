@@ -23,7 +23,7 @@ def _cuda_steps(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)).to(device)
     lengths = np.full(64, 8)
-    session = poise.Session(model, lengths=lengths, batch_size=8, balance="cost")
+    session = poise.Session(model, poise.Data(lengths=lengths, batch_size=8), balance="cost")
     syncs = []
     real_sync = torch.cuda.synchronize
     torch.cuda.synchronize = lambda *a, **k: (syncs.append(1), real_sync(*a, **k))[1]  # count device-wide syncs

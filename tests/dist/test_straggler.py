@@ -30,9 +30,10 @@ def _model() -> nn.Module:
 
 def _session(world_size: int, mode: str, delay: str, codec: str) -> poise.Session:
     return poise.Session(
-        _model(), lengths=LENGTHS, loss_terms=LENGTHS, batch_size=8, balance="static",
+        _model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=8), balance="static",
         comm=poise.CommConfig(codec=codec, start_step=0, error_feedback=False, bucket_mb=0.01),
-        straggler=poise.StragglerConfig(mode=mode, micro_batches=4, delay=delay, slack=0.1),
+        straggler=poise.StragglerConfig(mode=mode, micro_batches=4, slack=0.1),
+        emulate=poise.EmulateConfig(delay=delay),
     )
 
 
@@ -68,7 +69,7 @@ def _steps(rank: int, world_size: int, mode: str, delay: str, codec: str, steps:
         if len(out["trained"]) == steps:
             break
     dist.all_reduce = all_reduce
-    out["summary"] = session.deadline.summary()
+    out["summary"] = session.deadline.runner.summary()
     return out
 
 
@@ -136,7 +137,7 @@ def _epoch(rank: int, world_size: int, mode: str) -> dict:
     everything = [None] * world_size
     dist.all_gather_object(everything, trained)
     return {"trained": sorted(i for t in everything for i in t), "planned": planned, "catch_up": catch_up,
-            "summary": session.deadline.summary(), "finite": all(torch.isfinite(p).all() for p in
+            "summary": session.deadline.runner.summary(), "finite": all(torch.isfinite(p).all() for p in
                                                                  session.model.parameters())}
 
 
@@ -229,9 +230,10 @@ def _dynamic(rank: int, world_size: int, delay: str, epochs: int) -> dict:
     """``balance='dynamic'`` with deadline steps, over several epochs: rank 1's planned share
     of each step (its list's samples over the step's), the re-plans, and what was trained."""
     session = poise.Session(
-        _model(), lengths=EQUAL, batch_size=16,
+        _model(), poise.Data(lengths=EQUAL, batch_size=16),
         balance=poise.BalanceConfig(strategy="dynamic", cold_start_steps=3, replan_every_steps=2),
-        straggler=poise.StragglerConfig(mode="deadline", micro_batches=4, delay=delay, slack=0.1),
+        straggler=poise.StragglerConfig(mode="deadline", micro_batches=4, slack=0.1),
+        emulate=poise.EmulateConfig(delay=delay),
     )
     loader = DataLoader(EqualSequences(), batch_sampler=session.sampler, collate_fn=collate)
     shares, trained = [], []

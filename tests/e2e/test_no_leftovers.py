@@ -15,7 +15,7 @@ import pytest
 
 from poise.bench.harness import run_train_job
 from poise.launch.processes import cmdline, descendants
-from poise.runtime import slowdown
+from poise.emulate import speed as slowdown
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import poise
 
 def test_a_session_needs_the_process_group_first():
     with pytest.raises(ValueError, match=r"needs torch.distributed initialised first: call dist.init_process_group"):
-        poise.Session(torch.nn.Linear(2, 2), lengths=[1, 2, 3], batch_size=1)
+        poise.Session(torch.nn.Linear(2, 2), poise.Data(lengths=[1, 2, 3], batch_size=1))
 
 
 def test_the_public_names_are_documented():

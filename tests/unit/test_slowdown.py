@@ -1,11 +1,11 @@
-"""The sleep method of emulated slow ranks (``poise/runtime/slowdown.py``)."""
+"""The sleep method of emulated slow ranks (``poise/emulate/speed.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from poise.runtime import slowdown
-from poise.runtime.slowdown import Slowdown
+from poise.emulate import speed as slowdown
+from poise.emulate.speed import Slowdown
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ from torch.nn.parallel import DistributedDataParallel
 from poise.config import StragglerConfig
 from poise.straggler.claims import Claims, LocalClaims
 from poise.straggler.predict import make_predictor
-from poise.straggler.queues import Queues, build_queues, catch_up, deadline_s, pool_after
+from poise.straggler.queues import build_queues, catch_up, deadline_s, pool_after
 from poise.straggler.stale import StaleStash
 from poise.sync.deadline.step_state import StepPlan
 from poise.sync.deadline.watchdog import start_watchdog

@@ -15,6 +15,7 @@ import torch
 
 from poise.straggler.queues import Queues
 
+
 @dataclass
 class StepPlan:
     """One rank's view of one deadline step (made by :meth:`DeadlineRunner.plan_step`)."""

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from poise.comm.state import StepStats
+from poise.comm.trial import CodecTrial
 from poise.config import CommConfig, StragglerConfig
 from poise.runtime.clock import Clock
 from poise.straggler.claims import store_claims
@@ -49,6 +50,11 @@ class Deadline:
         self.inner = AllReduce(model, comm, clock=clock, backend=backend, compression_start=compression_start,
                                outer=outer, inner=[stash.wrap] if stash is not None else [])
         self.model, self.probe = self.inner.model, self.inner.probe
+
+    @property
+    def trial(self) -> CodecTrial | None:
+        """``comm.codec=auto``'s decision (None for other codecs)."""
+        return self.inner.trial
 
     def zero_backward(self) -> None:
         """Join the gradient reduction without a forward pass (see :func:`zero_backward`)."""

@@ -1,5 +1,9 @@
 """Emulated heterogeneity: make one rank run at a fraction of its speed (``--rank-speed 1:0.5``).
 
+Installed around the training step, never called from inside it: :class:`Slowdown` is a
+step listener (told when a step begins and ends), a forward hook on the model (stretches the
+forward) and a wrapper around the DDP comm hook (stretches backward up to each bucket).
+
 This is an emulation for tests and benchmarks, and reports say so. The slowdown scales with
 the work done — a rank at speed 0.5 takes twice as long for the same batch — so a balancer
 has something real to learn; it is never a constant delay. ``1:0.5@80`` slows rank 1 from
@@ -30,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from poise.runtime import dist as rdist
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,30 @@ class Slowdown:
             time.sleep(seconds)
             self.slept_s += seconds
         self.mark_s = time.perf_counter()
+
+    # -- installed around the step (poise/emulate/__init__.py) --------------------------------
+
+    def step_began(self, index: int) -> None:
+        """A step opens: its slowness, and its compute counts from now."""
+        self.begin_step(index)
+        self.mark_s = time.perf_counter()
+
+    def step_ended(self, index: int) -> None:
+        """A step closed: nothing outside a step (an evaluation, a throw-away backward) is slowed."""
+        self.mark_s = None
+
+    def injected_s(self) -> float:
+        """Seconds slept in this step's compute (the record leaves them out of the compute seconds)."""
+        return self.slept_s
+
+    def forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """A forward hook: stretch the forward just run (``module.register_forward_hook``)."""
+        self.stretch()
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank is slowed or noisy at all (otherwise nothing need be installed)."""
+        return self.method == "sleep" or self.noise > 0 or self.method == "cgroup"
 
     def wrap_hook(self, hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
                   ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
@@ -134,6 +164,7 @@ def _limit_with_cgroup(speed: float, threads: int) -> Path:
 
     _LEAVE.append(leave)
     atexit.register(leave_cgroup)
+    rdist.on_exit(leave_cgroup)  # workers end through os._exit, which skips atexit
     return group
 
 
@@ -148,7 +179,7 @@ def _set_quota(group: Path, cpus: float) -> None:
 
 def leave_cgroup() -> None:
     """Leave and remove this process's slowdown cgroup, if it made one. Workers end through
-    ``os._exit`` (poise/runtime/entry.py), which skips ``atexit``: entry.leave calls this."""
+    ``os._exit``, which skips ``atexit``: :func:`poise.runtime.dist.exit_process` calls this."""
     while _LEAVE:
         _LEAVE.pop()()
 

@@ -9,8 +9,10 @@ attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so that a restarted job can get
 
 ``data_delay_s`` emulates a slow input pipeline (storage, decoding, a busy host): every batch
 takes that much longer to load on every rank. It is installed around the step, in the
-DataLoader's collate function (:meth:`FaultPlan.wrap_collate`), so the session measures it as
-data time exactly as it would a real slow loader; nothing inside the step knows about it.
+DataLoader's collate function (:meth:`FaultPlan.wrap_collate`, applied by
+``Session.dataloader``), so the session measures it as data time exactly as it would a real
+slow loader. The kill is a step listener (:class:`InjectedKill`), told when a step begins:
+nothing inside the step knows about either.
 """
 
 from __future__ import annotations
@@ -25,13 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from poise.config import FaultConfig
+from poise.runtime.dist import restart_count
 
 log = logging.getLogger(__name__)
-
-
-def restart_count() -> int:
-    """How many times the launcher has restarted the workers (0 in the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 @dataclass(frozen=True)
@@ -73,3 +71,20 @@ class FaultPlan:
                 handler.flush()
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class InjectedKill:
+    """A step listener that kills this rank when its planned step begins (see module doc)."""
+
+    plan: FaultPlan
+    rank: int
+
+    def step_began(self, index: int) -> None:
+        self.plan.check(self.rank, index)
+
+    def step_ended(self, index: int) -> None:
+        """Nothing: the kill comes before a step."""
+
+    def injected_s(self) -> float:
+        return 0.0

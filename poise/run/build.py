@@ -1,0 +1,117 @@
+"""Assemble a session's parts from its settings: :func:`build`, run once per rank.
+
+The plan first, then the objects: the data plan (this rank's sampler, the re-planner), the
+clock, the emulation (the only place outside ``poise/emulate/`` that imports it), the
+synchronization strategy with the emulation's hook wrapper around it, the recorder, the live
+metrics. :class:`poise.Session` keeps what this returns and only ever calls it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from poise.balance import BalancedBatchSampler
+from poise.balance.rebalance import DynamicPartitioner
+from poise.comm import registry
+from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, EmulateConfig, MetricsConfig, StragglerConfig
+from poise.diagnostics import metrics as metrics_mod
+from poise.diagnostics.metrics import MetricsExporter
+from poise.diagnostics.timeline import Timeline
+from poise.emulate import Emulation, emulation_for
+from poise.run.data import Data, Sampler, plan_sampler
+from poise.run.record import Recorder
+from poise.runtime import memory
+from poise.runtime.clock import Clock, clock_for
+from poise.sync import AllReduce, Deadline, Sync
+
+
+@dataclass
+class Parts:
+    """Everything a session is made of (see :func:`build`)."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    sampler: Sampler
+    loss_terms: np.ndarray | None
+    partitioner: DynamicPartitioner | None
+    clock: Clock
+    sync: Sync
+    emulation: Emulation
+    recorder: Recorder
+    metrics: MetricsExporter | None
+    freed_memory: memory.FreedMemory | None
+    compression_start: int
+
+
+def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommConfig, straggler: StragglerConfig,
+          emulate: EmulateConfig, diagnostics: DiagnosticsConfig, metrics: MetricsConfig | None,
+          keep_freed_memory: bool | None) -> Parts:
+    """The parts of one rank's session (every rank calls it alike: it makes process groups).
+
+    Raises:
+        ValueError: one line, for settings that disagree with the process group, the data or
+            each other.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("poise.Session needs torch.distributed initialised first: call "
+                         "dist.init_process_group(...) (torchrun sets the environment it reads)")
+    rank, world_size, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    registry.check(comm)
+    deadline = straggler.enabled or bool(emulate.delay)
+    if deadline and data.accum_steps != 1:
+        raise ValueError(f"accum_steps={data.accum_steps} with straggler.mode={straggler.mode!r} (or delays): "
+                         "a deadline step accumulates its own micro-batches (straggler.micro_batches); "
+                         "use accum_steps=1")
+    sampler = plan_sampler(data, balance, rank, world_size)
+    loss_terms = data.terms()
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    keep = device.type == "cpu" if keep_freed_memory is None else keep_freed_memory
+    freed_memory = memory.keep_freed_memory() if keep else None
+    collective_device = device if backend == "nccl" else torch.device("cpu")
+    partitioner = None
+    if balance.strategy == "dynamic":
+        assert isinstance(sampler, BalancedBatchSampler)  # plan_sampler refuses others for dynamic
+        partitioner = DynamicPartitioner(
+            sampler, cold_start_steps=balance.cold_start_steps, window_steps=balance.window_steps,
+            replan_every_steps=balance.replan_every_steps, max_share_change=balance.max_share_change,
+            confident_error=balance.confident_error, fit_alpha=balance.fit_alpha, device=collective_device,
+        )
+    emulation = emulation_for(emulate, rank=rank, threads=torch.get_num_threads(), seed=data.seed)
+    clock = clock_for(device)
+    start = registry.compression_start(comm, data.total_steps or 0, data.lr_warmup_steps)
+    common: dict[str, Any] = {"clock": clock, "backend": backend, "compression_start": start,
+                              "outer": [emulation.slowdown.wrap_hook]}
+    sync: AllReduce | Deadline
+    if deadline:
+        cost = getattr(sampler, "cost_fn", None)
+        costs = np.asarray(cost(sampler.lengths) if cost is not None else sampler.lengths, dtype=np.float64)
+        sync = Deadline(model, comm, straggler, rank=rank, world_size=world_size, costs=costs, loss_terms=loss_terms,
+                        device=collective_device, seed=data.seed, pauses=emulation.delays, **common)
+    else:
+        sync = AllReduce(model, comm, **common)
+    emulation.install(sync.model)
+    exporter = metrics_mod.start(metrics, world_size) if metrics is not None and rank == 0 else None
+    publish = None
+    if exporter is not None:
+        def publish(block: np.ndarray) -> None:  # rank 0, after each gather: the new block to the endpoint
+            exporter.observe(block, replans=len(partitioner.history) if partitioner else 0)
+    timeline = Timeline(rank, world_size, diagnostics.gather_every_steps, collective_device, on_gather=publish)
+    last_step = data.total_steps * data.accum_steps if data.total_steps is not None else None
+    recorder = Recorder(clock=clock, timeline=timeline, lengths=sampler.lengths, sync=sync, partitioner=partitioner,
+                        trial=sync.trial,
+                        freed_memory=freed_memory, last_step=last_step)
+    return Parts(rank=rank, world_size=world_size, backend=backend, device=device, sampler=sampler,
+                 loss_terms=loss_terms, partitioner=partitioner, clock=clock, sync=sync, emulation=emulation,
+                 recorder=recorder, metrics=exporter, freed_memory=freed_memory, compression_start=start)
+
+
+__all__ = ["Parts", "build"]

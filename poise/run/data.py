@@ -1,0 +1,124 @@
+"""The data a session plans over: :class:`Data`, one description of samples, budget and run length.
+
+A session needs to know, before the first step, what each sample costs (to split steps
+across ranks), what the loss averages over (to weight unequal batches exactly), how big a
+step is, and how long the run is (lossy codecs start after a share of it). :class:`Data`
+holds all of it in one value, checked once; :func:`plan_sampler` turns it into this rank's
+batch sampler for a balance strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from poise.balance import BalancedBatchSampler, StaticSchedule, make_sampler
+from poise.balance.sampler import sampler_inputs
+from poise.config import BalanceConfig
+
+Sampler = StaticSchedule | BalancedBatchSampler
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Data:
+    """What is trained on, per rank and step (see module doc). Give ``lengths`` or ``costs`` (or
+    neither, with ``dataset``: every sample then costs the same) and one budget, or ``sampler``.
+
+    Attributes:
+        lengths: per-sample size in tokens (metadata, one per dataset sample): what a sample
+            costs to train on is ``cost_fn(length)``.
+        costs: instead of ``lengths``, per-sample cost in any unit, used as it is.
+        cost_fn: length -> cost units (a function of one number or of an array); default
+            ``L + α·L²`` with the balance config's ``cost_alpha`` (attention) or α = 0 (linear).
+        loss_terms: per-sample count of what your loss averages over (tokens predicted, or 1
+            per sample, the default). The loss weight of a step needs it to be exact.
+        dataset: your dataset, only to check that ``lengths`` has one entry per sample.
+        sampler: instead of ``lengths``/``costs`` and a budget, a sampler of your own making
+            (``poise.balance.make_sampler``, ``BalancedBatchSampler``, ``StaticSchedule``).
+        batch_size: samples per rank per step (static), or the step's budget as that many
+            samples of average cost per rank (cost, dynamic).
+        batch_tokens: instead, padded tokens per rank per step.
+        batch_cost: instead, cost units per step over all ranks together (cost, dynamic).
+        seed: seed of the data order, the same on every rank.
+        accum_steps: micro-batches per optimizer step (gradient accumulation): the steps of a
+            window but the last run without reducing; :attr:`Step.sync` says which.
+        total_steps: optimizer steps the run will take, if known: lossy codecs start after a
+            twentieth of it, and no re-plan runs after the last.
+        lr_warmup_steps: your learning-rate warm-up, in optimizer steps (lossy codecs start
+            after twice it).
+
+    Raises:
+        ValueError: one line, for values that disagree with each other.
+    """
+
+    lengths: Sequence[int] | np.ndarray | None = None
+    costs: Sequence[float] | np.ndarray | None = None
+    cost_fn: Callable[..., Any] | None = None
+    loss_terms: Sequence[float] | np.ndarray | None = None
+    dataset: Any = None
+    sampler: Sampler | None = None
+    batch_size: int | None = None
+    batch_tokens: int | None = None
+    batch_cost: float | None = None
+    seed: int = 0
+    accum_steps: int = 1
+    total_steps: int | None = None
+    lr_warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.accum_steps < 1:
+            raise ValueError(f"accum_steps={self.accum_steps} must be >= 1")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"total_steps={self.total_steps} must be >= 1 (or None: unknown)")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
+        if self.sampler is not None and (
+                self.lengths is not None or self.costs is not None or self.cost_fn is not None
+                or (self.batch_size, self.batch_tokens, self.batch_cost) != (None,) * 3):
+            raise ValueError("sampler= comes with its own lengths, costs and budget: give none of lengths, "
+                             "costs, cost_fn, batch_size, batch_tokens, batch_cost")
+
+    def terms(self) -> np.ndarray | None:
+        """``loss_terms`` as an array (None: one term per sample)."""
+        return None if self.loss_terms is None else np.asarray(self.loss_terms, dtype=np.float64)
+
+
+def plan_sampler(data: Data, balance: BalanceConfig, rank: int, world_size: int) -> Sampler:
+    """This rank's batch sampler for ``balance``'s strategy, checked against ``data``.
+
+    Raises:
+        ValueError: one line, when the sampler, the loss terms or the dataset disagree with
+            the samples or the process group.
+    """
+    terms = data.terms()
+    if data.sampler is not None:
+        sampler = data.sampler
+        if (sampler.rank, sampler.world_size) != (rank, world_size):
+            raise ValueError(f"the sampler was made for rank {sampler.rank} of {sampler.world_size}, but this "
+                             f"process is rank {rank} of {world_size}")
+        if balance.strategy == "dynamic" and not isinstance(sampler, BalancedBatchSampler):
+            raise ValueError(f"balance 'dynamic' re-plans a BalancedBatchSampler, not a {type(sampler).__name__}")
+    else:
+        count = len(data.dataset) if data.dataset is not None else None if terms is None else len(terms)
+        values, cost = sampler_inputs(data.lengths, data.costs, data.cost_fn, balance.cost_model,
+                                      balance.cost_alpha, count)
+        sampler = make_sampler(balance.strategy, values, rank=rank, world_size=world_size, cost_fn=cost,
+                               seed=data.seed, batch_size=data.batch_size, batch_tokens=data.batch_tokens,
+                               batch_cost=data.batch_cost, bucket_steps=balance.bucket_steps)
+    if terms is not None and len(terms) != len(sampler.lengths):
+        raise ValueError(f"loss_terms has {len(terms)} entries but there are {len(sampler.lengths)} samples")
+    if data.dataset is not None:
+        check_dataset(data.dataset, sampler.lengths)
+    return sampler
+
+
+def check_dataset(dataset: Any, lengths: np.ndarray) -> None:
+    """Raise a one-line ValueError unless ``dataset`` has one sample per entry of ``lengths``."""
+    if len(dataset) != len(lengths):
+        raise ValueError(f"the dataset has {len(dataset)} samples but lengths has {len(lengths)}")
+
+
+__all__ = ["Data", "Sampler", "check_dataset", "plan_sampler"]

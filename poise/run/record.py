@@ -1,0 +1,174 @@
+"""What a session keeps of its steps: the open one, the records, the evaluations, the report.
+
+:class:`Recorder` is the owner a :class:`~poise.run.step.Step` reports to
+(:class:`~poise.run.step.StepOwner`): it holds the open step, turns each closed step's marks
+into a :class:`~poise.diagnostics.timeline.StepRecord` (one step late on CUDA, where reading
+events waits for the device), feeds the timeline, the codec trial and the re-planner, and
+lets the strategy run its work between steps. At the end, :func:`write_report` gathers every
+rank's figures and writes the outputs on rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch.distributed as dist
+
+from poise.balance.rebalance import DynamicPartitioner, window_terms
+from poise.comm.trial import CodecTrial
+from poise.diagnostics import report as report_mod
+from poise.diagnostics.timeline import StepRecord, Timeline
+from poise.run.marks import StepMarks
+from poise.run.step import Step
+from poise.runtime import memory
+from poise.runtime.clock import Clock, HostClock
+from poise.sync import Sync
+
+T = TypeVar("T")
+
+
+class Recorder:
+    """The open step and the record of closed ones, for one rank (see module doc).
+
+    Args:
+        clock: what marks are (records of CUDA events are read one step late).
+        timeline: where records go (gathered to rank 0).
+        lengths: per-sample size (the re-planner's window terms).
+        sync: the strategy, asked for its work between steps.
+        partitioner: the re-planner (balance ``dynamic``), or None.
+        trial: ``comm.codec=auto``'s trial, fed every record, or None.
+        freed_memory: the kept-memory policy, told after every step, or None.
+        last_step: the run's last step in micro-batches, if known (no re-plan after it).
+    """
+
+    def __init__(self, *, clock: Clock, timeline: Timeline, lengths: np.ndarray, sync: Sync,
+                 partitioner: DynamicPartitioner | None, trial: CodecTrial | None,
+                 freed_memory: memory.FreedMemory | None, last_step: int | None) -> None:
+        self.clock, self.timeline, self.lengths, self.sync = clock, timeline, lengths, sync
+        self.partitioner, self.trial, self.freed_memory, self.last_step = partitioner, trial, freed_memory, last_step
+        self.active: Step | None = None
+        self.steps_done = 0  # steps (micro-batches) recorded, over all epochs
+        self.last_record: StepRecord | None = None
+        self.pending: deque[StepMarks] = deque()
+        self.lag = 0 if isinstance(clock, HostClock) else 1  # CUDA: read a step's events one step later
+        self.last_exit_s: float | None = None
+        self.last_exit_cpu_s: float | None = None  # time.process_time() then: a step's CPU counts from there
+        self.clock_s: float | None = None  # when the first step opened: training time counts from there
+        self.eval_s = 0.0  # seconds spent in evaluations, left out of the training time
+        self.eval_curve: list[dict[str, float]] = []
+
+    # -- the open step (StepOwner) -----------------------------------------------------------
+
+    def is_open(self, step: Step) -> bool:
+        return self.active is step
+
+    def opened(self, step: Step) -> float | None:
+        if self.active is not None:
+            raise ValueError("a step was opened while another step is open: one step at a time")
+        self.active = step
+        if self.clock_s is None:
+            self.clock_s = time.perf_counter()
+        return self.last_exit_cpu_s
+
+    def aborted(self, step: Step) -> None:
+        if self.active is step:
+            self.active = None
+
+    def closed(self, step: Step, marks: StepMarks) -> None:
+        self.active = None
+        self.last_exit_s, self.last_exit_cpu_s = time.perf_counter(), time.process_time()
+        self.pending.append(marks)
+        self.steps_done += 1
+        if self.freed_memory is not None:
+            self.freed_memory.after_step()
+        while len(self.pending) > self.lag:
+            self._take(self.pending.popleft())
+        if self.sync.between_steps():  # auto's dry run: no step's seconds
+            self.last_exit_s, self.last_exit_cpu_s = time.perf_counter(), time.process_time()
+        if self.partitioner is not None:
+            self.partitioner.after_step(self.steps_done - len(self.pending), self.steps_done, self.last_step)
+
+    def data_s(self, handed_s: float) -> float:
+        """Data seconds of a step whose batch was asked of the sampler at ``handed_s``: since
+        then, or since the last step ended if it was prefetched before that."""
+        since = max(handed_s, self.last_exit_s) if self.last_exit_s is not None else handed_s
+        return max(0.0, time.perf_counter() - since)
+
+    def _take(self, marks: StepMarks) -> None:
+        rec = marks.record(self.clock)
+        self.timeline.record(rec)
+        if self.trial is not None:
+            self.trial.observe(rec.step, rec.step_s, rec.comm_wait_s)
+        if self.partitioner is not None:
+            self.partitioner.observe(self.lengths[marks.indices], rec.compute_s)
+        self.last_record = rec
+
+    def drain(self) -> None:
+        """Read every pending record (waits for CUDA events)."""
+        while self.pending:
+            self._take(self.pending.popleft())
+
+    def pending_window(self) -> list[tuple[float, float, float]]:
+        """The re-planner's window terms of the steps not yet read (for a checkpoint)."""
+        return [window_terms(self.lengths[m.indices], m.record(self.clock).compute_s) for m in self.pending]
+
+    # -- evaluations -------------------------------------------------------------------------
+
+    def evaluate(self, fn: Callable[[], T], optimizer_step: int) -> T:
+        """Run ``fn`` between steps and record its loss against the training seconds so far
+        (see :meth:`poise.Session.evaluate`)."""
+        if self.active is not None:
+            raise ValueError("session.evaluate() inside an open step: evaluate between steps")
+        start = time.perf_counter()
+        train_s = start - self.clock_s - self.eval_s if self.clock_s is not None else 0.0
+        result = fn()
+        self.eval_s += time.perf_counter() - start
+        loss = result if isinstance(result, (int, float)) else getattr(result, "loss", None)
+        if not isinstance(loss, (int, float)):
+            raise ValueError(f"session.evaluate(): fn returned {type(result).__name__}, which is neither a number "
+                             "nor has a numeric .loss")
+        self.eval_curve.append({"step": optimizer_step, "train_s": train_s, "loss": float(loss)})
+        return result
+
+
+def write_report(recorder: Recorder, *, rank: int, world_size: int, per_rank: dict[str, Any],
+                 make_report: Callable[[list[dict[str, Any]], Any], dict[str, Any]], out_dir: Path | None,
+                 plot: bool) -> dict[str, Any] | None:
+    """Gather ``per_rank`` figures from every rank and, on rank 0, the report ``make_report``
+    builds from them and the gathered timeline's table, written into ``out_dir`` if set. A
+    collective; every rank returns once the outputs are on disk (so no rank tears the process
+    group down while rank 0 still writes). Returns the report on rank 0, None elsewhere.
+
+    Raises:
+        RuntimeError: on the other ranks, when rank 0 could not write (rank 0 re-raises its error).
+    """
+    recorder.drain()
+    recorder.timeline.flush()
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, per_rank)
+    report, failure, error = None, [None], None
+    if rank == 0:
+        try:
+            table = recorder.timeline.table()
+            report = make_report(gathered, table)
+            if out_dir is not None:
+                report_mod.write_outputs(out_dir, report, table, plot=plot)
+        except Exception as exc:  # the other ranks must hear of it, not wait for a collective
+            failure[0], error = f"{type(exc).__name__}: {exc}", exc
+    dist.broadcast_object_list(failure, src=0)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        raise RuntimeError(f"rank 0 could not write the run's outputs: {failure[0]}")
+    # the broadcast's source returns as soon as it has sent: without this, rank 0 can tear
+    # its process group down while a peer still reads (gloo then aborted one run in CI)
+    dist.barrier()
+    return report
+
+
+__all__ = ["Recorder", "write_report"]

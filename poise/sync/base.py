@@ -3,13 +3,13 @@
 Every way poise synchronizes ranks is an implementation of :class:`Sync`, and the step
 (:mod:`poise.run.step`) calls it at fixed points only, never by kind:
 
-1. :meth:`Sync.wrap` once, when the session is built: the model the user trains (DDP with a
-   comm hook today; FSDP2's ``fully_shard`` module next).
+1. The strategy's constructor wraps the model once, when the session is built: ``model`` is
+   what the user trains (DDP with a comm hook today; FSDP2's ``fully_shard`` module next).
 2. :meth:`Sync.begin_step` when a step opens, before its first forward: per-step counters.
 3. :meth:`Sync.micro_batch` before each micro-batch's forward: ``last=True`` when the
    backward that follows must reduce the gradient, False when it only accumulates
    (``no_sync``; FSDP2's ``set_requires_gradient_sync``).
-4. The backward itself runs the hooks :meth:`wrap` registered (codec, collective, probe).
+4. The backward itself runs the hooks the constructor registered (codec, collective, probe).
 5. :meth:`Sync.end_step` after the optimizer step: where an outer step goes (local SGD,
    DiLoCo: no communication for H inner steps, then an all-reduce of parameter deltas and an
    outer optimizer step).
@@ -38,7 +38,7 @@ class Sync(Protocol):
     """How one rank's gradients meet the other ranks' (see module doc for the call points).
 
     Attributes:
-        model: the model as wrapped by :meth:`wrap` (what the user's forward calls).
+        model: the model as the constructor wrapped it (what the user's forward calls).
         probe: marks of when each gradient bucket was handed over and reduced this step
             (the split of backward into compute and communication).
     """

@@ -9,8 +9,9 @@ same bookkeeping (progress and log, a checkpoint when due, evaluation and the ea
 the end (the final checkpoint, the evaluation, the report). Rank 0 writes ``report.json``,
 ``trace.json`` and ``timeline.png`` into the config's ``out_dir``.
 
-Nothing here emulates anything: slow ranks, injected delays, a slow input pipeline and
-injected kills are installed around the step by the session, as for a user's script.
+Nothing here emulates anything: the session installs ``config.emulate`` (slow ranks, injected
+delays, a planned kill, a slow input pipeline around the loader's collate) around the step, as
+it would for a user's script.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from poise import checkpoint
 from poise import config as config_mod
 from poise.config import RunConfig
 from poise.log import StepProgress, step_progress
+from poise.run.data import Data
 from poise.run.session import Session
 from poise.runtime import dist as rdist
 from poise.tasks.base import Batch, Task
@@ -109,12 +110,11 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     torch.manual_seed(tc.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
     freeze(model, tc.frozen_prefixes())
-    session = Session(model, sampler=sampler, loss_terms=task.train_targets, balance=config.balance,
-                      comm=config.comm, straggler=config.straggler, seed=tc.seed, diagnostics=config.diagnostics,
-                      metrics=config.metrics, out_dir=config.out_dir,
-                      accum_steps=tc.accum_steps, total_steps=optimizer_steps,
-                      lr_warmup_steps=lr_warmup(tc.warmup_steps, optimizer_steps),
-                      keep_freed_memory=config.dist.keep_freed_memory)
+    data = Data(sampler=sampler, loss_terms=task.train_targets, seed=tc.seed, accum_steps=tc.accum_steps,
+                total_steps=optimizer_steps, lr_warmup_steps=lr_warmup(tc.warmup_steps, optimizer_steps))
+    session = Session(model, data, balance=config.balance, comm=config.comm, straggler=config.straggler,
+                      emulate=config.emulate, diagnostics=config.diagnostics, metrics=config.metrics,
+                      out_dir=config.out_dir, keep_freed_memory=config.dist.keep_freed_memory)
     trainable = [p for p in session.model.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, config, task, session.compression_start)
     scheduler = lr_schedule(optimizer, tc.warmup_steps, schedule_span(config, session, optimizer_steps))
@@ -125,7 +125,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
              task.name, sum(p.numel() for p in session.model.parameters()), len(task.train_lengths), total_micro,
              config.balance.strategy, config.comm.codec)
 
-    loader = DataLoader(task.train_set, batch_sampler=session.sampler, collate_fn=task.collate)
+    loader = session.dataloader(task.train_set, collate_fn=task.collate)
     pos = Position(job.start_step, session.sampler.epoch, job.start_step if job.resumed_from else None)
     with step_progress(config.diagnostics.progress and ctx.is_main, total_micro) as progress:
         # epochs: every epoch to its end (after an elastic resume, the step count is another one)

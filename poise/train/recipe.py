@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from poise import config as config_mod
+from poise.comm import registry
 from poise.config import RunConfig
 from poise.tasks.base import Task
 from poise.train.optim import AdamW
@@ -42,7 +42,7 @@ def make_optimizer(params: Any, config: RunConfig, task: Task, compression_start
     ``comm.freeze_variance`` its second moment freezes when compression starts, after
     ``compression_start`` optimizer steps (see ``poise/train/optim.py``; None: nothing is
     compressed)."""
-    freeze_variance = compression_start is not None and config.comm.freezes_variance()
+    freeze_variance = compression_start is not None and registry.freezes_variance(config.comm)
     freeze_after = max(1, compression_start) if freeze_variance else None
     return AdamW(params, lr=config.train.lr or task.default_lr, weight_decay=config.train.weight_decay,
                  fused=True, freeze_after=freeze_after)
@@ -62,7 +62,7 @@ def schedule_span(config: RunConfig, session: Session, optimizer_steps: int) -> 
     exact_span = config.train.schedule_steps or optimizer_steps
     codec = config.comm.codec
     if codec != "auto":
-        span = optimizer_steps if codec in config_mod.LOSSY_CODECS else exact_span
+        span = optimizer_steps if registry.codec(codec).lossy else exact_span
         return lambda: span
     trial = session.codec_trial
     return lambda: optimizer_steps if trial is not None and trial.choice else exact_span

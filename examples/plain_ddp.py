@@ -98,10 +98,13 @@ def main() -> None:
     while done < args.steps:
         sampler.set_epoch(epoch)
         for inputs, targets in loader:
-            lm_loss(model(inputs), targets).backward()
+            loss = lm_loss(model(inputs), targets)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             done += 1
+            if dist.get_rank() == 0 and done in (1, args.steps):
+                print(f"step {done} loss {loss.item():.3f}")  # rank 0's batch, nats per byte
             if done == args.steps:
                 break
         epoch += 1

@@ -16,7 +16,7 @@ Measured (code-lm, 300 steps, 2 workers, bits per byte against uncompressed Adam
 
 - sign: +5.4 % with the live variance; +1.0 % frozen after 20 steps (twice the warm-up). Frozen
   after 2 or 10 steps it is +31 % and +15 %: the warm-up must outlast the learning-rate ramp,
-  hence ``CommConfig.compression_start``.
+  hence ``poise.comm.registry.compression_start``.
 - top-k (1 %): +6.4 % live, +9.8 % frozen; PowerSGD: +2.9 % live, +4.4 % frozen; random-k
   worse frozen too. Their payloads carry real per-entry magnitudes, which the live variance
   uses; so ``comm.freeze_variance=auto`` freezes for sign only.

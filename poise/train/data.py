@@ -2,7 +2,7 @@
 
 The three strategies of ``--balance`` (see :func:`poise.balance.make_sampler`):
 
-- ``static``: :class:`~poise.balance.sampler.StaticSchedule` (torch's DistributedSampler);
+- ``static``: :class:`~poise.balance.static_schedule.StaticSchedule` (torch's DistributedSampler);
 - ``cost``: :class:`~poise.balance.sampler.BalancedBatchSampler` with equal speeds: steps of a
   cost budget with length bucketing, split by padded cost;
 - ``dynamic``: the same sampler, re-planned from measured speeds by the session.
@@ -19,7 +19,8 @@ import numpy as np
 import torch.distributed as dist
 
 from poise.balance.costs import AttentionCost
-from poise.balance.sampler import BalancedBatchSampler, StaticSchedule, make_sampler
+from poise.balance.sampler import BalancedBatchSampler, make_sampler
+from poise.balance.static_schedule import StaticSchedule
 from poise.config import RunConfig
 from poise.runtime.dist import DistContext
 from poise.tasks.base import Task

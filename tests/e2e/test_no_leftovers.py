@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from poise.bench.harness import run_train_job
-from poise.launch.processes import cmdline, descendants
 from poise.emulate import speed as slowdown
+from poise.launch.processes import cmdline, descendants
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e

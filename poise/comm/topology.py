@@ -1,8 +1,8 @@
 """Where the ranks are and how topology-aware collectives talk: the node layout, the process
 groups built on it, and the one communication thread that runs the multi-step algorithms.
 
-Split from ``collectives.py`` (the algorithms), which explains why one FIFO thread on process
-groups of its own is safe with gloo and NCCL.
+Split from ``collectives/`` (the algorithms), whose ``threaded.py`` explains why one FIFO thread
+on process groups of its own is safe with gloo and NCCL.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from poise.comm.codecs import Codec, ErrorFeedback
 from poise.comm.codecs.cast import IdentityCodec
 from poise.comm.codecs.lowrank import PowerSGDCodec, Shapes
-from poise.comm.collectives import Collective, CommThread, Hierarchical
+from poise.comm.collectives import Collective, CommThread, NodePhases
 from poise.comm.reducers import CodecReducer, LowRankReducer, Reducer, make_reducer, prescale
 from poise.comm.state import Counters
 from poise.comm.topology import private_group
@@ -40,7 +40,7 @@ class HierarchicalReducer(Reducer):
 
     The whole tensor goes through each phase at once (a codec's choices, such as top-k's, are
     over the whole bucket), in one job on the topology's communication thread, which also
-    waits for ``inter_node``'s future (never a callback; see ``collectives.py``). The result
+    waits for ``inter_node``'s future (never a callback; see ``collectives/threaded.py``). The result
     is ``sum over nodes of decode(encode(node sum))`` for a summable codec, the codec applied
     to each node's sum for the others.
 
@@ -54,7 +54,7 @@ class HierarchicalReducer(Reducer):
             (inside the node, they are).
     """
 
-    def __init__(self, hierarchical: Hierarchical, inter_node: Reducer | None,
+    def __init__(self, hierarchical: NodePhases, inter_node: Reducer | None,
                  group: dist.ProcessGroup | None = None, counters: Counters | None = None) -> None:
         topology = hierarchical.topology
         if topology.is_leader and topology.layout.num_nodes > 1 and inter_node is None:
@@ -156,7 +156,7 @@ class OnCommThread(Reducer):
     ones are factorised and reduced. ``inner`` must issue its collectives only on process
     groups that no other thread uses (:func:`~poise.comm.topology.private_group`): the thread
     runs jobs in call order, which DDP makes the same on every rank, so the groups see their
-    operations in the same order everywhere (``collectives.py`` gives the full argument).
+    operations in the same order everywhere (``collectives/threaded.py`` gives the full argument).
 
     Args:
         inner: the reducer to run; its future is waited for on the thread.

@@ -13,7 +13,7 @@ is the median over repeats. With ``S`` the size in bytes and ``t`` that time in 
 
 Operations: the backend's ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
 and poise's all-reduce algorithms (``poise-flat``, ``poise-ring``, ``poise-tree``,
-``poise-hierarchical``: ``poise/comm/collectives.py``). Run with ``poise diagnose busbw``
+``poise-hierarchical``: ``poise/comm/collectives/``). Run with ``poise diagnose busbw``
 (which starts the workers), or inside any torchrun job::
 
     torchrun --nproc-per-node 8 -m poise.diagnostics.busbw --max-bytes 1G --link 400gbit

@@ -2,10 +2,11 @@
 
 The stack, outermost first: the hook DDP calls per bucket (``adapter.py``) → reducer wrappers
 (``wrappers.py``: local-first, hierarchical) → the codec's reducer (``reducers.py``) → the
-codec (``codecs/``) and a collective that only moves bytes (``collectives.py``). Every hook's
+codec (``codecs/``) and a collective that only moves bytes (``collectives/``). Every hook's
 state, poise's or torch's (``torch_hooks.py``), is a :class:`CommState` (``state.py``);
-``builder.py`` turns a ``CommConfig`` into ``(hook, state)`` through its one registry, and
-``settle.py`` replays the bucket layout on resume.
+``registry.py`` holds every codec and collective name with its properties, ``builder.py``
+turns a ``CommConfig`` into ``(hook, state)``, and ``settle.py`` replays the bucket layout on
+resume.
 
 Compress DDP's gradients in your own training script::
 

@@ -1,9 +1,10 @@
-"""From a :class:`~poise.config.CommConfig` to ``(hook, state)``: the one registry of comm hooks.
+"""From a :class:`~poise.config.CommConfig` to ``(hook, state)``.
 
-:data:`HOOKS` maps every ``comm.codec`` name (``CODEC_NAMES``) to a builder: poise's codecs
-through ``adapter.make_state`` over the configured collective, torch's own hooks through
-``torch_hooks.py``. Names are turned into objects here, once, at the config boundary; the
-worker also asks :func:`check_backend` and :func:`requires_single_bucket` before it builds DDP.
+:data:`HOOKS` maps every ``comm.codec`` name of the registry (``poise/comm/registry.py``) to a
+builder: poise's codecs through ``adapter.make_state`` over the configured collective, torch's
+own hooks through ``torch_hooks.py``. Names are turned into objects here, once, at the config
+boundary; the worker also asks :func:`check_backend` and :func:`requires_single_bucket` before
+it builds DDP.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ from typing import Any
 
 import torch.distributed as dist
 
-from poise.comm import collectives, torch_hooks
+from poise.comm import collectives, registry
 from poise.comm.adapter import compressed_hook, make_state
+from poise.comm.codecs import Codec
+from poise.comm.codecs.int8 import Int8Codec
+from poise.comm.codecs.lowrank import PowerSGDCodec
+from poise.comm.codecs.randomk import RandomKCodec
+from poise.comm.codecs.topk import TopKCodec
 from poise.comm.probe import CommHook
 from poise.comm.state import CommState
 from poise.comm.topology import Topology
 from poise.comm.trial import CodecTrial, earliest_start
-from poise.config import CODEC_NAMES, CommConfig
+from poise.config import CommConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +34,9 @@ log = logging.getLogger(__name__)
 HookBuilder = Callable[[CommConfig, dist.ProcessGroup | None, Topology | None, int], tuple[CommHook, CommState]]
 
 
-def _poise_codec(codec: str | None = None, **options: Callable[[CommConfig], Any]) -> HookBuilder:
-    """The builder of a poise codec (``codec``; None: the config's name) whose options (codec
-    option name -> the config field's value) come from the config."""
+def _poise_codec(codec: str, **options: Callable[[CommConfig], Any]) -> HookBuilder:
+    """The builder of the poise codec called ``codec`` (``auto`` runs ``powersgd``) whose options
+    (codec option name -> the config field's value) come from the config."""
 
     def build_codec(config: CommConfig, group: dist.ProcessGroup | None, topology: Topology | None,
                     start_step: int) -> tuple[CommHook, CommState]:
@@ -42,7 +48,7 @@ def _poise_codec(codec: str | None = None, **options: Callable[[CommConfig], Any
         if config.codec == "auto":  # PowerSGD dry-run first (poise/comm/trial.py)
             start_step = max(start_step, earliest_start(config.auto_trial_steps))
             trial = CodecTrial(start_step, steps=config.auto_trial_steps, margin=config.auto_margin)
-        state = make_state(codec or config.codec, error_feedback=config.error_feedback, start_step=start_step,
+        state = make_state(codec, error_feedback=config.error_feedback, start_step=start_step,
                            on_nonfinite=config.on_nonfinite, process_group=group, collective=collective,
                            local_first=config.local_first, trial=trial,
                            **{name: read(config) for name, read in options.items()})
@@ -54,19 +60,24 @@ def _poise_codec(codec: str | None = None, **options: Callable[[CommConfig], Any
     return build_codec
 
 
-HOOKS: dict[str, HookBuilder] = {
-    "none": _poise_codec(),
-    "fp16": _poise_codec(),
-    "bf16": _poise_codec(),
-    "int8": _poise_codec(chunk_size=lambda c: c.int8_chunk_size),
-    "sign": _poise_codec(),
-    "topk": _poise_codec(ratio=lambda c: c.topk_ratio),
-    "randomk": _poise_codec(ratio=lambda c: c.topk_ratio),
-    "powersgd": _poise_codec(rank=lambda c: c.powersgd_rank),
-    "auto": _poise_codec("powersgd", rank=lambda c: c.powersgd_rank),
-    "torch-fp16": torch_hooks.fp16,
-    "torch-powersgd": torch_hooks.powersgd,
+# A codec's options, from the config fields that set them.
+_OPTIONS: dict[type[Codec], dict[str, Callable[[CommConfig], Any]]] = {
+    Int8Codec: {"chunk_size": lambda c: c.int8_chunk_size},
+    TopKCodec: {"ratio": lambda c: c.topk_ratio},
+    RandomKCodec: {"ratio": lambda c: c.topk_ratio},
+    PowerSGDCodec: {"rank": lambda c: c.powersgd_rank},
 }
+
+
+def _builder(info: registry.CodecInfo) -> HookBuilder:
+    """The hook builder of a registry entry: torch's own, or a poise codec's with its options."""
+    if info.codec is None:
+        assert info.torch_hook is not None, info
+        return info.torch_hook
+    return _poise_codec(info.codec.name, **_OPTIONS.get(info.codec, {}))
+
+
+HOOKS: dict[str, HookBuilder] = {name: _builder(info) for name, info in registry.CODECS.items()}
 _BACKENDS = ("gloo", "nccl")
 
 
@@ -74,7 +85,7 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
           topology: Topology | None = None, *, start_step: int | None = None) -> tuple[CommHook, CommState]:
     """``(hook, state)`` for ``ddp.register_comm_hook(state, hook)``, from ``config``.
 
-    ``start_step``: steps sent uncompressed; None takes ``config.compression_start`` without
+    ``start_step``: steps sent uncompressed; None takes ``registry.compression_start`` without
     a run length (callers that know it, like the training worker, pass the resolved value).
 
     ``config.collective`` picks the algorithm (``poise.comm.collectives``); every value but
@@ -98,27 +109,25 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
     Raises:
         ValueError: an unknown codec name (the allowed ones listed), or a bad combination.
     """
-    if config.codec not in HOOKS:
-        raise ValueError(f"comm.codec={config.codec!r} is unknown: allowed are {', '.join(HOOKS)}")
+    registry.check(config)
     if start_step is None:
-        start_step = config.compression_start(0, 0)
+        start_step = registry.compression_start(config, 0, 0)
     return HOOKS[config.codec](config, process_group, topology, start_step)
 
 
 def requires_single_bucket(config: CommConfig) -> bool:
     """Whether DDP must put all gradients in one bucket (torch's PowerSGD hook on gloo)."""
-    return config.codec == "torch-powersgd"
+    return registry.codec(config.codec).single_bucket_on_gloo
 
 
 def check_backend(config: CommConfig, backend: str) -> None:
     """Raise a one-line ValueError if ``config.codec`` cannot run on ``backend``; call before training.
 
-    Tested with torch 2.13 on gloo (CPU): every name in ``CODEC_NAMES``, bf16 and fp16 payload
+    Tested with torch 2.13 on gloo (CPU): every name in ``registry.CODECS``, bf16 and fp16 payload
     all-reduce included, and torch's fp16 hook. torch's ``bf16_compress_hook`` (not offered)
     refuses to run without CUDA and NCCL. Other backends have not been tested.
     """
-    if config.codec not in CODEC_NAMES:
-        raise ValueError(f"comm.codec={config.codec!r} is unknown: allowed are {', '.join(CODEC_NAMES)}")
+    registry.codec(config.codec)  # an unknown name is an error
     if backend.lower() not in _BACKENDS:
         raise ValueError(f"comm.codec={config.codec!r} on backend {backend!r}: poise's comm hooks support "
                          f"{', '.join(_BACKENDS)}")

@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from poise.comm import codecs, collectives
+from poise.comm import codecs, collectives, registry
 from poise.comm.builder import build
 from poise.comm.collectives import Hierarchical, NodeLayout, Topology
 from poise.comm.reducers import make_reducer
 from poise.comm.wrappers import HierarchicalReducer
-from poise.config import COLLECTIVE_NAMES, CommConfig
+from poise.config import CommConfig
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -168,7 +168,7 @@ def _two_nodes(rank: int, world_size: int) -> dict:
     out["residual_norm"] = float(ef.residual(0).norm()) if topology.is_leader else None
     # DDP through every algorithm, with and without a codec
     out["ddp"] = {"plain": _train(rank, None, topology)}
-    for name in COLLECTIVE_NAMES:
+    for name in registry.COLLECTIVES:
         out["ddp"][name] = _train(rank, CommConfig(collective=name), topology)
     out["stats"] = {}
     for codec in ("fp16", "topk", "powersgd"):
@@ -229,10 +229,10 @@ def test_node_layout_groups_ranks_by_node_and_rejects_repeated_local_ranks():
 
 
 def test_collective_names_match_the_config_and_bad_names_are_rejected():
-    assert tuple(collectives.COLLECTIVES) == COLLECTIVE_NAMES
+    assert tuple(collectives.COLLECTIVES) == tuple(registry.COLLECTIVES)
     with pytest.raises(ValueError, match="allowed are flat, ring"):
         collectives.make("butterfly")
     with pytest.raises(ValueError, match=r"comm\.collective='star'"):
-        CommConfig(collective="star")
+        registry.check(CommConfig(collective="star"))
     with pytest.raises(ValueError, match="torch-fp16"):
-        CommConfig(collective="ring", codec="torch-fp16")
+        registry.check(CommConfig(collective="ring", codec="torch-fp16"))

@@ -14,12 +14,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import poise.comm
-from poise.comm import codecs
+from poise.comm import codecs, registry
 from poise.comm.builder import build, check_backend, requires_single_bucket
 from poise.comm.codecs import ErrorFeedback
 from poise.comm.reducers import make_reducer
 from poise.comm.state import StepStats
-from poise.config import CODEC_NAMES, CommConfig
+from poise.config import CommConfig
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -67,7 +67,7 @@ def _train(rank: int, config: CommConfig | str | None,
 
 def _every_codec(rank: int, world_size: int) -> dict:
     out: dict = {"plain": _train(rank, None, 0.005)[0]}
-    for name in CODEC_NAMES:
+    for name in registry.CODECS:
         single = requires_single_bucket(CommConfig(codec=name))
         out[name] = _train(rank, CommConfig(codec=name, topk_ratio=0.1), 1000.0 if single else 0.005)
     out["hook-api"] = _train(rank, "topk", 0.005)
@@ -78,7 +78,7 @@ def test_every_codec_through_ddp_keeps_ranks_identical_and_none_matches_plain_dd
     results = run_ranks(_every_codec, world_size=2, timeout_s=120)
     first = results[0]
     for r in results[1:]:
-        for name in CODEC_NAMES:
+        for name in registry.CODECS:
             for a, b in zip(first[name][0], r[name][0], strict=True):
                 assert torch.equal(a, b), name
     # "none" is the same arithmetic as plain DDP, so bit for bit the same parameters
@@ -88,7 +88,7 @@ def test_every_codec_through_ddp_keeps_ranks_identical_and_none_matches_plain_dd
     for a, b in zip(first["topk"][0], first["hook-api"][0], strict=True):
         assert torch.equal(a, b)
     initial = list(_model().parameters())
-    for name in CODEC_NAMES:
+    for name in registry.CODECS:
         params, stats = first[name]
         assert any(not torch.equal(p, q) for p, q in zip(params, initial, strict=True)), name
         assert len(stats) == STEPS

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from poise.comm import codecs
+from poise.comm import codecs, registry
 from poise.comm.builder import HOOKS, check_backend
 from poise.comm.codecs import CODECS, ErrorFeedback, NonFiniteGradientError
 from poise.comm.codecs.base import Codec
 from poise.comm.codecs.lowrank import PowerSGDCodec
 from poise.comm.codecs.sign import _pack_signs_numpy, _pack_signs_torch
 from poise.comm.state import StepStats
-from poise.config import CODEC_NAMES, CommConfig
+from poise.config import CommConfig
 
 SIZES = (0, 1, 7, 1000, 4099, 70_001)  # 70,001 > 65,536 takes top-k's sampled path
 
@@ -30,7 +30,7 @@ def _x(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tenso
 # -- registry and options ------------------------------------------------------------------
 
 def test_the_hook_registry_offers_exactly_the_config_names_and_every_codec():
-    assert tuple(HOOKS) == CODEC_NAMES
+    assert tuple(HOOKS) == tuple(registry.CODECS)
     assert set(CODECS) <= set(HOOKS)
 
 

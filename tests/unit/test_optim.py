@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from poise.comm import registry
 from poise.config import CommConfig
 from poise.train.optim import AdamW
 
@@ -100,13 +101,13 @@ def test_bad_arguments_are_one_line_errors():
 
 
 def test_compression_start_rule():
-    assert CommConfig(codec="int8").compression_start(300, 10) == 2
-    assert CommConfig(codec="topk").compression_start(300, 10) == 20  # lossy: a longer warm-up
-    assert CommConfig(codec="sign").compression_start(300, 10) == 20  # twice the warm-up
-    assert CommConfig(codec="sign").compression_start(1000, 10) == 50  # a twentieth of the run
-    assert CommConfig(codec="sign", start_step=7).compression_start(1000, 10) == 7  # explicit wins
-    assert CommConfig(codec="int8", freeze_variance="on").compression_start(300, 10) == 20
-    assert not CommConfig(codec="sign", freeze_variance="off").freezes_variance()
+    assert registry.compression_start(CommConfig(codec="int8"), 300, 10) == 2
+    assert registry.compression_start(CommConfig(codec="topk"), 300, 10) == 20  # lossy: a longer warm-up
+    assert registry.compression_start(CommConfig(codec="sign"), 300, 10) == 20  # twice the warm-up
+    assert registry.compression_start(CommConfig(codec="sign"), 1000, 10) == 50  # a twentieth of the run
+    assert registry.compression_start(CommConfig(codec="sign", start_step=7), 1000, 10) == 7  # explicit wins
+    assert registry.compression_start(CommConfig(codec="int8", freeze_variance="on"), 300, 10) == 20
+    assert not registry.freezes_variance(CommConfig(codec="sign", freeze_variance="off"))
     with pytest.raises(ValueError, match="freeze_variance='sometimes'"):
         CommConfig(freeze_variance="sometimes")
 

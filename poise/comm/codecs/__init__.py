@@ -1,7 +1,9 @@
 """Gradient codecs: encode a flat gradient into payload tensors and decode it back.
 
-``CODECS`` is the one table from a codec name to its class; :func:`make` is the lookup used at
-the config/CLI boundary. Every codec has ``encode(tensor, key=None) -> Encoded``,
+``CODECS`` is the one table from a codec name (the class's ``name``) to its class; :func:`make`
+is the lookup. ``poise/comm/registry.py`` offers every codec here as a ``comm.codec`` name, with
+the properties the class declares (``lossy``, ``freezes_variance``, ``checkpoint_delta``: see
+``base.py``). Every codec has ``encode(tensor, key=None) -> Encoded``,
 ``decode(encoded, out=None) -> tensor`` (same shape and dtype as the input),
 ``nbytes(encoded) -> int`` (bytes on the wire) and ``summable``. See ``base.py`` for the
 contract and each module for its algorithm and paper.
@@ -25,14 +27,8 @@ from poise.comm.codecs.sign import SignCodec
 from poise.comm.codecs.topk import TopKCodec
 
 CODECS: dict[str, type[Codec]] = {
-    "none": IdentityCodec,
-    "fp16": Fp16Codec,
-    "bf16": Bf16Codec,
-    "int8": Int8Codec,
-    "sign": SignCodec,
-    "topk": TopKCodec,
-    "randomk": RandomKCodec,
-    "powersgd": PowerSGDCodec,
+    cls.name: cls
+    for cls in (IdentityCodec, Fp16Codec, Bf16Codec, Int8Codec, SignCodec, TopKCodec, RandomKCodec, PowerSGDCodec)
 }
 
 

@@ -10,6 +10,21 @@ benchmarked alone. Two properties decide how a reducer moves a codec's payloads:
   decoded and summed locally.
 - low rank (PowerSGD) needs two rounds; see ``lowrank.py``.
 
+Three more say how poise trains and checkpoints with a codec (``poise/comm/registry.py`` reads
+them for every ``comm.codec`` name):
+
+- ``lossy``: its error per step is of the order of the gradient itself (sparsifying, 1-bit
+  and low-rank codecs), so compression starts after a longer uncompressed warm-up
+  (``registry.compression_start``): error-feedback residuals as large as the gradients hurt
+  most early in training, while the learning rate ramps up and gradients change fastest.
+- ``freezes_variance``: its payload gives every entry the same magnitude, so Adam's second
+  moment would measure the codec's scale instead of the gradient: ``comm.freeze_variance=auto``
+  freezes it when compression starts (``poise/train/optim.py`` has the measurements; sparse
+  and low-rank codecs train better with it live).
+- ``checkpoint_delta``: offered as ``checkpoint.delta_codec``, to write a tensor's change
+  between checkpoints: its payload decodes alone, with no state or shared seed (random-k and
+  PowerSGD need them).
+
 Speed: a fresh 100 MB allocation costs several times a copy into an existing buffer (the pages
 must be faulted in), so callers on a hot path pass a ``key`` and the codec reuses that key's
 output buffers from one call to the next (DDP's bucket index is such a key).
@@ -83,11 +98,16 @@ class Buffers:
 class Codec(abc.ABC):
     """Encode a tensor into payload tensors and decode them back (no process group, ever).
 
-    Subclasses set ``name`` and ``summable`` and implement ``encode`` and ``decode``.
+    Subclasses set ``name`` and ``summable`` (and ``lossy``, ``freezes_variance``,
+    ``checkpoint_delta`` where they hold; see the module doc) and implement ``encode`` and
+    ``decode``.
     """
 
     name: ClassVar[str]
     summable: ClassVar[bool]
+    lossy: ClassVar[bool] = False
+    freezes_variance: ClassVar[bool] = False
+    checkpoint_delta: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._buffers = Buffers()

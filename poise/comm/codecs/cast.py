@@ -26,7 +26,7 @@ class IdentityCodec(Codec):
     """
 
     name: ClassVar[str] = "none"
-    summable: ClassVar[bool] = True
+    summable: ClassVar[bool] = True  # no checkpoint_delta: checkpoint.delta_codec='exact' writes tensors whole
 
     def encode(self, tensor: torch.Tensor, *, key: Hashable | None = None) -> Encoded:
         return Encoded((flat(tensor),), tensor.shape, tensor.dtype)
@@ -75,6 +75,7 @@ class Fp16Codec(CastCodec):
     """IEEE half precision on the wire: 2 bytes per entry, range ±65504."""
 
     name: ClassVar[str] = "fp16"
+    checkpoint_delta: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__(torch.float16)
@@ -84,6 +85,7 @@ class Bf16Codec(CastCodec):
     """bfloat16 on the wire: 2 bytes per entry, fp32's range, 8 mantissa bits."""
 
     name: ClassVar[str] = "bf16"
+    checkpoint_delta: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__(torch.bfloat16)

@@ -45,6 +45,7 @@ class Int8Codec(Codec):
 
     name: ClassVar[str] = "int8"
     summable: ClassVar[bool] = False
+    checkpoint_delta: ClassVar[bool] = True
 
     def __init__(self, chunk_size: int = 1024, *, rounding: str = "nearest", seed: int = 0) -> None:
         super().__init__()

@@ -118,6 +118,7 @@ class PowerSGDCodec(Codec):
 
     name: ClassVar[str] = "powersgd"
     summable: ClassVar[bool] = False
+    lossy: ClassVar[bool] = True  # no checkpoint_delta: decoding needs the factors' warm-started state
 
     def __init__(self, rank: int = 8, *, warm_start: bool = True, min_compression: float = 2.0,
                  seed: int = 0) -> None:

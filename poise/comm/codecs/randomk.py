@@ -29,6 +29,7 @@ class RandomKCodec(Codec):
 
     name: ClassVar[str] = "randomk"
     summable: ClassVar[bool] = True
+    lossy: ClassVar[bool] = True  # no checkpoint_delta: decoding needs the seed that drew the indices
 
     def __init__(self, ratio: float = 0.01, *, seed: int = 0) -> None:
         super().__init__()

@@ -59,6 +59,8 @@ class SignCodec(Codec):
 
     name: ClassVar[str] = "sign"
     summable: ClassVar[bool] = False
+    lossy: ClassVar[bool] = True
+    freezes_variance: ClassVar[bool] = True  # every entry is sent as +-scale: one magnitude for all
 
     def encode(self, tensor: torch.Tensor, *, key: Hashable | None = None) -> Encoded:
         src = flat(tensor).detach()

@@ -58,6 +58,8 @@ class TopKCodec(Codec):
 
     name: ClassVar[str] = "topk"
     summable: ClassVar[bool] = False
+    lossy: ClassVar[bool] = True
+    checkpoint_delta: ClassVar[bool] = True  # indices and values decode alone
 
     def __init__(self, ratio: float = 0.01, *, exact: bool = False, sample_numel: int = 65536,
                  oversample: float = 1.25) -> None:

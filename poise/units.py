@@ -10,9 +10,10 @@ Conventions inside poise, carried in every name:
   nccl-tests' ``-b``/``-e``), while ``k``/``m``/``g`` in a rate are powers of 1000, like ``tc``.
 
 This module is a leaf: it imports nothing from poise, so config, CLI, cluster, benches and
-diagnostics can all use it. Bounds that belong to one use (what a shaped link can carry,
-what netem can delay) are that use's own (``poise/cluster/links.py``). Every error is a
-one-line ``ValueError`` naming the text and what is allowed.
+diagnostics can all use it. It also bounds the rates and delays an emulated node's link can
+be given (:func:`link_rate_bit_per_s`, :func:`link_delay_s`): the config checks them before
+anything starts, and ``poise/cluster/links.py`` shapes links with the result. Every error is
+a one-line ``ValueError`` naming the text and what is allowed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*")
 _DURATION_UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _SIZE = re.compile(r"\s*(\d+)\s*([KMG]?)i?B?\s*", re.IGNORECASE)
 _SIZE_UNITS_BYTES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+# What a shaped link can carry (tc's tbf, on veth) and what netem can delay it by.
+MIN_LINK_RATE_BIT_PER_S = 64 * 10**3
+MAX_LINK_RATE_BIT_PER_S = 100 * 10**9
+MAX_LINK_DELAY_S = 10.0
 
 
 def parse_rate_bit_per_s(text: str, *, what: str = "rate") -> float:
@@ -72,6 +78,32 @@ def parse_duration_s(text: str, *, what: str = "duration") -> float:
     if not match:
         raise ValueError(f"{what} {text!r} is invalid: give a number and a unit of us, ms or s, e.g. 5ms")
     return float(match.group(1)) * _DURATION_UNITS_S[match.group(2)]
+
+
+def link_rate_bit_per_s(text: str) -> int:
+    """``"1gbit"`` -> 1_000_000_000: a rate a node's link can be shaped to, in whole bits per
+    second (tc takes whole bits; :func:`parse_rate_bit_per_s` says which units).
+
+    Raises:
+        ValueError: naming the text and what is allowed (a unit, and 64kbit..100gbit).
+    """
+    rate = round(parse_rate_bit_per_s(text, what="link rate"))
+    if not MIN_LINK_RATE_BIT_PER_S <= rate <= MAX_LINK_RATE_BIT_PER_S:
+        raise ValueError(f"link rate {text!r} is outside the allowed {format_rate_bit_per_s(MIN_LINK_RATE_BIT_PER_S)}.."
+                         f"{format_rate_bit_per_s(MAX_LINK_RATE_BIT_PER_S)}")
+    return rate
+
+
+def link_delay_s(text: str) -> float:
+    """``"5ms"`` -> 0.005: a one-way link delay netem can add, in seconds (``""`` = none, 0.0).
+
+    Raises:
+        ValueError: naming the text and what is allowed (a unit, and 0..10s).
+    """
+    delay_s = parse_duration_s(text, what="link delay")
+    if delay_s > MAX_LINK_DELAY_S:
+        raise ValueError(f"link delay {text!r} is outside the allowed 0..{MAX_LINK_DELAY_S:g}s")
+    return delay_s
 
 
 def parse_size_bytes(text: str) -> int:

@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         "c-dynamic-slow": ["--balance", "dynamic", *slow],
         "d-static-slow": ["--balance", "static", *slow],
         "e-dynamic-change": ["--balance", "dynamic", "--rank-speed", f"1:{args.slow_speed}@{args.change_at}"],
-        "f-dynamic-noisy": ["--balance", "dynamic", *slow, "--balance.speed_noise", str(args.noise)],
+        "f-dynamic-noisy": ["--balance", "dynamic", *slow, "--emulate.speed_noise", str(args.noise)],
         "g-dynamic-deadline-slow": ["--balance", "dynamic", *slow, *deadline],
         "h-static-deadline-slow": ["--balance", "static", *slow, *deadline],
         "i-dynamic-deadline": ["--balance", "dynamic", *deadline],

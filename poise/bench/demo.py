@@ -29,12 +29,12 @@ from typing import Any
 from poise.bench.harness import require_positive, run_train_job, save_results
 from poise.bench.network import MODEL_ARGS
 from poise.cluster import net
-from poise.cluster.links import link_rate_bit_per_s
 from poise.diagnostics import rules
 from poise.diagnostics.report import plot_timelines, show_findings
 from poise.diagnostics.run import load_run
 from poise.diagnostics.timeline import load_table
 from poise.log import make_console
+from poise.units import link_rate_bit_per_s
 
 HELP = "what poise changes: static vs balanced with a slow rank, DDP vs compressed over a slow link"
 
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network", choices=("auto", "off"), default="auto",
                         help="auto: run the slow-network pair where root, ip and tc are available; off: skip it")
     parser.add_argument("--slowdown", choices=("sleep", "cgroup", "auto"), default="sleep",
-                        help="how rank 1 is slowed (--balance.slowdown_method): sleeping in proportion to its "
+                        help="how rank 1 is slowed (--emulate.slowdown_method): sleeping in proportion to its "
                              "compute holds on a busy machine too; a cgroup CPU quota binds only on an idle one")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per job, seconds")
     parser.add_argument("train_args", nargs="*", help="extra 'poise train' flags for every job, after --")
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def pairs(args: argparse.Namespace) -> list[Pair]:
     """The comparisons this invocation runs (the network one only where it can)."""
     slow = ["--task", "code-lm", "--nproc", "2", "--steps", str(args.steps), "--task.eval_max_samples",
-            str(EVAL_SAMPLES), "--rank-speed", f"{SLOW_RANK}:{SLOW_SPEED}", "--balance.slowdown_method",
+            str(EVAL_SAMPLES), "--rank-speed", f"{SLOW_RANK}:{SLOW_SPEED}", "--emulate.slowdown_method",
             args.slowdown]
     chosen = [Pair("slow-rank", f"rank {SLOW_RANK} at {SLOW_SPEED:g} speed, 2 workers",
                    ("static sharding", [*slow, "--balance", "static"]),

@@ -7,7 +7,7 @@ model, differing in one thing each:
 - ``slow-rank``: rank 1 at half speed (``--rank-speed 1:0.5``; ``--slow-method``: the cgroup CPU
   quota, or sleeping in proportion to compute) -> ``straggler`` naming rank 1.
 - ``slow-data``: every batch loads ``--data-delay-s`` slower on every rank
-  (``--faults.data_delay_s``, a sleep in the DataLoader's collate) -> ``input_pipeline``.
+  (``--emulate.data_delay_s``, a sleep in the DataLoader's collate) -> ``input_pipeline``.
 - ``slow-link``: the job on an emulated 2-node cluster behind ``--link`` (tbf-shaped veth
   links; needs root, ``ip``, ``tc``) -> ``communication``.
 - ``crowded``: the job's processes pinned to one CPU (their affinity), so its 2 ranks share
@@ -59,14 +59,14 @@ class Job(NamedTuple):
 
 def jobs(args: argparse.Namespace) -> dict[str, Job]:
     """Every job of the bench, by name (see module doc)."""
-    noise = ["--balance.speed_noise", str(args.noise), "--balance.speed_noise_steps", str(args.noise_steps),
+    noise = ["--emulate.speed_noise", str(args.noise), "--emulate.speed_noise_steps", str(args.noise_steps),
              "--balance.cold_start_steps", "2"]
     local = ["--nproc", "2"]
     return {
         "clean": Job([*local, "--balance", "cost"], None),
-        "slow-rank": Job([*local, "--balance", "cost", "--rank-speed", "1:0.5", "--balance.slowdown_method",
+        "slow-rank": Job([*local, "--balance", "cost", "--rank-speed", "1:0.5", "--emulate.slowdown_method",
                           args.slow_method], "straggler", 1),
-        "slow-data": Job([*local, "--balance", "cost", "--faults.data_delay_s", str(args.data_delay_s)],
+        "slow-data": Job([*local, "--balance", "cost", "--emulate.data_delay_s", str(args.data_delay_s)],
                          "input_pipeline"),
         "slow-link": Job(["--balance", "cost", "--cluster", "2:1", "--link", args.link], "communication"),
         "crowded": Job([*local, "--balance", "cost"], "cpu_contention", cpus={min(os.sched_getaffinity(0))}),

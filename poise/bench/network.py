@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from poise.bench.harness import output_dir, require_positive, run_train_job, save_results, show_table
-from poise.cluster.links import link_rate_bit_per_s
 from poise.log import make_console
+from poise.units import link_rate_bit_per_s
 
 HELP = "flat/ring/hierarchical busbw, and each codec's time to plain DDP's loss over shaped links (emulated cluster)"
 

@@ -11,7 +11,7 @@ machine's 2 cores), for each world size, delay model and seed, side by side:
 Every delay model is at "20 %": its mean inflation of a rank's compute is 0.2 (the table's
 title defines each). ``--models none`` runs the modes without delays: what a mode costs or
 saves by itself against the delay-free run. Delays are sleeps (see
-``poise/straggler/delays.py``): a delayed rank gives its core away, which at 4 workers on 2
+``poise/emulate/delays.py``): a delayed rank gives its core away, which at 4 workers on 2
 cores lets the others run faster meanwhile; at 2 workers each has its own core and a delay is
 time lost.
 
@@ -58,9 +58,9 @@ import numpy as np
 from poise.bench.balance import loss_at_tokens
 from poise.bench.cpu import cpu_trace, cpu_use
 from poise.bench.harness import output_dir, positive_ints, require_positive, run_train_job, save_results, show_table
+from poise.config import DelaySpec
 from poise.diagnostics.report import steady_throughput
 from poise.diagnostics.timeline import column, elapsed_s, load_table
-from poise.straggler.delays import DelayModel
 from poise.straggler.predict import PREDICTORS, evaluate
 
 HELP = "plain DDP vs deadline steps under 20% random worker delays (world sizes 2 and 4)"
@@ -307,7 +307,7 @@ def _tables(out: Path, rows: list[dict[str, Any]], checks: list[dict[str, Any]],
         f"poise bench stragglers: code-lm d128x2 (256 bytes), {setup['steps']} steps, batch {setup['batch_size']}/rank "
         f"in {setup['micro_batches']} micro-batches, 1 thread per worker on this machine's cores, medians over "
         f"{setup['seeds']} seed(s). Delays (each a 20% mean inflation): " + "; ".join(
-            f"{m} = {DelayModel.parse(CHOICES[m]).describe()}" for m in models),
+            f"{m} = {DelaySpec.parse(CHOICES[m]).describe()}" for m in models),
         table,
         [
             ("world_size", "world", str), ("delay_model", "delays", str), ("mode", "mode", str),

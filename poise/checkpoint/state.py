@@ -57,10 +57,12 @@ RANK_KEYS = ("rank", "window", "comm")
 # Settings a checkpoint does not fix: where and how long the run goes, how it is launched,
 # measured, checkpointed and failed on purpose. Everything else must match to resume.
 _FREE = {
-    "out_dir", "dist", "diagnostics", "faults", "checkpoint", "train.steps", "train.epochs",
-    "task.eval_max_samples", "task.cache_dir", "balance.rank_speed", "balance.slowdown_method",
-    "balance.speed_noise",
+    "out_dir", "dist", "diagnostics", "checkpoint", "train.steps", "train.epochs",
+    "task.eval_max_samples", "task.cache_dir", "emulate.rank_speed", "emulate.slowdown_method",
+    "emulate.speed_noise", "emulate.fail_at", "emulate.data_delay_s",
 }
+# Keys that checkpoints written before the [emulate] section hold under their former names.
+_FORMER_KEYS = {f"{section}.{name}": f"emulate.{name}" for name, section in config_mod.FORMER_SECTIONS.items()}
 
 
 def fit_config(config: RunConfig) -> dict[str, Any]:
@@ -83,7 +85,8 @@ def param_shapes(model: nn.Module) -> dict[str, list[int]]:
 
 def config_problems(saved: dict[str, Any], config: RunConfig) -> list[str]:
     """The settings in which a checkpoint's manifest differs from this run's config."""
-    now, then = fit_config(config), saved["config"]
+    now = fit_config(config)
+    then = {_FORMER_KEYS.get(key, key): value for key, value in saved["config"].items()}
     return [f"{key} is {then.get(key)!r} in the checkpoint but {now.get(key)!r} now"
             for key in sorted(set(now) | set(then)) if now.get(key) != then.get(key)]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from poise.cli import train
 from poise.cluster import linkcheck, topology
-from poise.cluster.links import link_delay_s, link_rate_bit_per_s
 from poise.cluster.state import ClusterState
 from poise.files import write_json_atomic
 from poise.log import make_console
+from poise.units import link_delay_s, link_rate_bit_per_s
 
 DEFAULT_NAME = "default"
 

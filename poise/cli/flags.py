@@ -1,8 +1,11 @@
 """Command-line flags generated from the config dataclasses.
 
 Every config field is reachable as ``--section.field`` (e.g. ``--train.lr``), with the
-field's help text; the everyday ones also have short aliases (``--lr``). Flags are only
-recorded when given, so precedence stays defaults < config file < flags.
+field's help text; the everyday ones also have short aliases (``--lr``), and settings that
+moved keep their former flags (``--balance.rank_speed`` is ``--emulate.rank_speed``). Flags
+are only recorded when given, so precedence stays defaults < config file < flags. The names a
+codec or collective setting allows are the comm registry's: listed in the help from it, and
+checked by it in :func:`resolve`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from poise import config as cfg
+from poise.comm import registry
 
 # Short flags for the settings users touch most; each maps to a dotted config key.
 ALIASES = {
@@ -29,16 +33,16 @@ ALIASES = {
     "--rdzv-endpoint": "dist.rdzv_endpoint",
     "--out": "out_dir",
     "--balance": "balance.strategy",
-    "--rank-speed": "balance.rank_speed",
+    "--rank-speed": "emulate.rank_speed",
     "--codec": "comm.codec",
     "--straggler": "straggler.mode",
-    "--delay": "straggler.delay",
+    "--delay": "emulate.delay",
     "--topk-ratio": "comm.topk_ratio",
     "--collective": "comm.collective",
     "--bucket-mb": "comm.bucket_mb",
     "--link": "cluster.link",
     "--max-restarts": "dist.max_restarts",
-    "--fail-at": "faults.fail_at",
+    "--fail-at": "emulate.fail_at",
     "--checkpoint-every": "checkpoint.every_steps",
     "--checkpoint-dir": "checkpoint.dir",
 }
@@ -58,16 +62,26 @@ _PREFIX = "config:"
 _PAIR_PREFIX = "pair:"
 
 
+def _allowed_names() -> dict[str, tuple[str, ...]]:
+    """Dotted key -> the names it allows, for the settings whose names a registry holds."""
+    return {"comm.codec": tuple(registry.CODECS), "comm.collective": tuple(registry.COLLECTIVES),
+            "checkpoint.delta_codec": registry.delta_codec_names()}
+
+
 def _fields() -> dict[str, tuple[Any, str]]:
     """Dotted key -> (type, help) for every config field (help escaped for argparse's %-formatting)."""
     out: dict[str, tuple[Any, str]] = {}
     top = cfg.field_types(cfg.RunConfig)
+    names = _allowed_names()
     for f in dataclasses.fields(cfg.RunConfig):
         if f.name in cfg.SECTIONS:
             section = cfg.SECTIONS[f.name]
             types_ = cfg.field_types(section)
             for sf in dataclasses.fields(section):
-                out[f"{f.name}.{sf.name}"] = (types_[sf.name], sf.metadata.get("help", "").replace("%", "%%"))
+                key, help_ = f"{f.name}.{sf.name}", sf.metadata.get("help", "")
+                if key in names:
+                    help_ += f"; allowed: {', '.join(names[key])}"
+                out[key] = (types_[sf.name], help_.replace("%", "%%"))
         else:
             out[f.name] = (top[f.name], f.metadata.get("help", "").replace("%", "%%"))
     return out
@@ -94,6 +108,9 @@ def add_config_flags(parser: argparse.ArgumentParser, extra_aliases: dict[str, s
     group = parser.add_argument_group("every setting")
     for key, (_, help_) in fields.items():
         group.add_argument(f"--{key}", dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V", help=help_)
+    for name, former in cfg.FORMER_SECTIONS.items():  # the former spellings, still accepted (not listed)
+        parser.add_argument(f"--{former}.{name}", dest=f"{_PREFIX}emulate.{name}", default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,6 +138,11 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> cfg.RunConfig:
     """defaults < ``--config`` file < ``defaults`` (nested, e.g. an existing cluster's shape) < flags,
-    validated (raises one-line ValueError)."""
-    base = cfg.load_toml(args.config) if args.config else {}
-    return cfg.from_dict(cfg.merge(cfg.merge(base, defaults or {}), overrides(args)))
+    validated, codec and collective names included (raises one-line ValueError)."""
+    layers = [cfg.load_toml(args.config) if args.config else {}, defaults or {}, overrides(args)]
+    merged: dict[str, Any] = {}
+    for layer in layers:  # each read into today's keys first, so that a flag beats a file's former key
+        merged = cfg.merge(merged, cfg.current_layout(layer))
+    config = cfg.from_dict(merged)
+    registry.check(config.comm, config.checkpoint)
+    return config

@@ -1,8 +1,8 @@
-"""Link rates and how a link is shaped: pure functions, no system calls.
+"""How a link is shaped: pure functions, no system calls.
 
 A rate is written the way ``tc`` writes it, in bits per second with a decimal prefix
-(``500kbit``, ``100mbit``, ``1gbit``, ``10gbit``; ``k`` = 10^3; parsed by :mod:`poise.units`,
-bounded here to what a shaped link can carry). Every node's link is shaped
+(``500kbit``, ``100mbit``, ``1gbit``, ``10gbit``; ``k`` = 10^3; parsed and bounded to what a
+shaped link can carry by :func:`poise.units.link_rate_bit_per_s`). Every node's link is shaped
 with a token bucket filter (tbf) in each direction. The bucket (burst) must hold at least one
 GSO super-packet (veth hands the qdisc segments of up to 64 KiB) and what the rate delivers in
 one millisecond, or tbf splits packets and the link falls short of its rate at 10 Gbit/s;
@@ -13,42 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from poise.units import format_rate_bit_per_s, parse_duration_s, parse_rate_bit_per_s
-
-MIN_RATE_BIT_PER_S = 64 * 10**3
-MAX_RATE_BIT_PER_S = 100 * 10**9
-MAX_DELAY_S = 10.0
-
 # veth passes GSO segments of up to 64 KiB to the qdisc; a smaller bucket makes tbf split them.
 _MIN_BURST_BYTES = 64 * 1024
 _BURST_S = 0.001
 _QUEUE_S = 0.020
-
-
-def link_rate_bit_per_s(text: str) -> int:
-    """``"1gbit"`` -> 1_000_000_000: a rate a node's link can be shaped to, in whole bits per
-    second (tc takes whole bits; :func:`poise.units.parse_rate_bit_per_s` says which units).
-
-    Raises:
-        ValueError: naming the text and what is allowed (a unit, and 64kbit..100gbit).
-    """
-    rate = round(parse_rate_bit_per_s(text, what="link rate"))
-    if not MIN_RATE_BIT_PER_S <= rate <= MAX_RATE_BIT_PER_S:
-        raise ValueError(f"link rate {text!r} is outside the allowed {format_rate_bit_per_s(MIN_RATE_BIT_PER_S)}.."
-                         f"{format_rate_bit_per_s(MAX_RATE_BIT_PER_S)}")
-    return rate
-
-
-def link_delay_s(text: str) -> float:
-    """``"5ms"`` -> 0.005: a one-way link delay netem can add, in seconds (``""`` = none, 0.0).
-
-    Raises:
-        ValueError: naming the text and what is allowed (a unit, and 0..10s).
-    """
-    delay_s = parse_duration_s(text, what="link delay")
-    if delay_s > MAX_DELAY_S:
-        raise ValueError(f"link delay {text!r} is outside the allowed 0..{MAX_DELAY_S:g}s")
-    return delay_s
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import fcntl
 import ipaddress
 import json
 import os
-import re
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,16 +25,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from poise.cluster.net import NS_PREFIX, process_start_ticks
+from poise.config import MAX_NODES, validate_name
 from poise.files import write_json_atomic
 from poise.units import format_rate_bit_per_s
 
 DEFAULT_STATE_DIR = "/run/poise/clusters"
-MAX_NODES = 64
 MAX_PROCS_PER_NODE = 64
 # Every node's workers run on this one machine: more than this in all is almost certainly a typo.
 MAX_PROCESSES = 64
-# Lower-case letters, digits and '_': never '-', so "poise-<name>-" prefixes cannot overlap.
-_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 # Inside every node namespace the link has the same name, so one GLOO_SOCKET_IFNAME fits all.
 NODE_IFNAME = "eth0"
 BRIDGE = "br0"
@@ -66,15 +63,6 @@ def state_dir() -> Path:
 def open_private(path: Path, flags: int) -> int:
     """``os.open`` that never follows a symlink at ``path`` (files opened as root), mode 0644."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-
-
-def validate_name(name: str) -> str:
-    """Returns ``name``; raises ValueError unless it is 1-32 of a-z, 0-9, '_' starting with a letter."""
-    if not _NAME.match(name):
-        raise ValueError(
-            f"cluster name {name!r} is invalid: use 1-32 lower-case letters, digits or '_', starting with a letter"
-        )
-    return name
 
 
 def validate_shape(nodes: int, procs_per_node: int) -> None:

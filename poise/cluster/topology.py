@@ -30,9 +30,9 @@ from poise.cluster.state import (
     owned_prefix,
     recorded_names,
     switch_namespace,
-    validate_name,
     validate_shape,
 )
+from poise.config import validate_name
 
 log = logging.getLogger(__name__)
 

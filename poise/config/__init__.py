@@ -9,14 +9,24 @@ was recorded, and its hash is compared across ranks at start-up.
 Units are part of field names (``_s`` seconds, ``_bytes`` bytes, ``_steps`` steps). Each
 field's help text lives in its metadata and is reused for ``--help``.
 
-The package has two modules: ``sections.py`` (the settings and their checks) and
-``convert.py`` (values in and out: TOML, dicts, the recorded file, the hash). Everything is
-imported from here: ``from poise import config as cfg; cfg.RunConfig, cfg.load(...)``.
+One module per section (``task.py``, ``train.py``, ``dist.py``, ``balance.py``, ``comm.py``,
+``straggler.py``, ``cluster.py``, ``diagnostics.py``, ``metrics.py``, ``emulate.py``,
+``checkpoint.py``, ``pipeline.py``), ``run.py`` for the whole run and its cross-section checks,
+``fields.py`` for what the sections share, and ``convert.py`` for values in and out (TOML,
+dicts, former keys, the recorded file, the hash). The config imports nothing of poise but
+``poise.units`` and ``poise.files``: names that belong to other packages (codecs, collectives)
+are checked by them (``poise.comm.registry.check``). Everything is imported from here:
+``from poise import config as cfg; cfg.RunConfig, cfg.load(...)``.
 """
 
+from poise.config.balance import BALANCE_STRATEGIES, BalanceConfig
+from poise.config.checkpoint import CheckpointConfig
+from poise.config.cluster import DEFAULT_LINK, MAX_NODES, ClusterConfig, validate_name
+from poise.config.comm import CommConfig
 from poise.config.convert import (
     coerce,
     config_hash,
+    current_layout,
     dumps,
     field_types,
     from_dict,
@@ -26,58 +36,37 @@ from poise.config.convert import (
     save,
     to_dict,
 )
-from poise.config.sections import (
-    BACKENDS,
-    BALANCE_STRATEGIES,
-    CODEC_NAMES,
-    COLLECTIVE_NAMES,
-    DEFAULT_LINK,
-    DELTA_CODECS,
-    LOSSY_CODECS,
-    MAX_LOCAL_WORKERS,
-    NODE_LOCAL_SETTINGS,
-    PARTITION_METHODS,
-    PIPELINE_SCHEDULES,
-    SECTIONS,
-    TASK_NAMES,
-    VARIANCE_FREEZING_CODECS,
-    BalanceConfig,
-    CheckpointConfig,
-    ClusterConfig,
-    CommConfig,
-    DiagnosticsConfig,
-    DistConfig,
-    FaultConfig,
-    MetricsConfig,
-    PipelineConfig,
-    RunConfig,
-    StragglerConfig,
-    TaskConfig,
-    TrainConfig,
-)
+from poise.config.diagnostics import DiagnosticsConfig
+from poise.config.dist import BACKENDS, MAX_LOCAL_WORKERS, NODE_LOCAL_SETTINGS, DistConfig
+from poise.config.emulate import FORMER_SECTIONS, DelaySpec, EmulateConfig
+from poise.config.metrics import MetricsConfig
+from poise.config.pipeline import PARTITION_METHODS, PIPELINE_SCHEDULES, PipelineConfig
+from poise.config.run import SECTIONS, RunConfig
+from poise.config.straggler import STRAGGLER_MODES, StragglerConfig
+from poise.config.task import TASK_NAMES, TaskConfig
+from poise.config.train import TrainConfig
 
 __all__ = [
     "BACKENDS",
     "BALANCE_STRATEGIES",
-    "CODEC_NAMES",
-    "COLLECTIVE_NAMES",
     "DEFAULT_LINK",
-    "DELTA_CODECS",
-    "LOSSY_CODECS",
+    "FORMER_SECTIONS",
     "MAX_LOCAL_WORKERS",
+    "MAX_NODES",
     "NODE_LOCAL_SETTINGS",
     "PARTITION_METHODS",
     "PIPELINE_SCHEDULES",
     "SECTIONS",
+    "STRAGGLER_MODES",
     "TASK_NAMES",
-    "VARIANCE_FREEZING_CODECS",
     "BalanceConfig",
     "CheckpointConfig",
     "ClusterConfig",
     "CommConfig",
+    "DelaySpec",
     "DiagnosticsConfig",
     "DistConfig",
-    "FaultConfig",
+    "EmulateConfig",
     "MetricsConfig",
     "PipelineConfig",
     "RunConfig",
@@ -86,6 +75,7 @@ __all__ = [
     "TrainConfig",
     "coerce",
     "config_hash",
+    "current_layout",
     "dumps",
     "field_types",
     "from_dict",
@@ -94,4 +84,5 @@ __all__ = [
     "merge",
     "save",
     "to_dict",
+    "validate_name",
 ]

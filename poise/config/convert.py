@@ -1,6 +1,6 @@
 """Config values in and out: TOML and command-line values coerced to field types, nested
-dicts to :class:`RunConfig` and back, the resolved file every worker loads, and the hash ranks
-compare at start-up."""
+dicts to :class:`RunConfig` and back (settings under their former keys read into their place
+now), the resolved file every worker loads, and the hash ranks compare at start-up."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from poise.config.sections import NODE_LOCAL_SETTINGS, SECTIONS, RunConfig
+from poise.config.dist import NODE_LOCAL_SETTINGS
+from poise.config.emulate import FORMER_SECTIONS
+from poise.config.run import SECTIONS, RunConfig
 from poise.files import write_text_atomic
 
 
@@ -54,11 +56,43 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
     return value
 
 
+def current_layout(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the nested dict ``data`` with settings given under their former keys moved to
+    where they are now: ``balance.rank_speed`` -> ``emulate.rank_speed``, ``straggler.delay``,
+    the ``[faults]`` table... (``poise.config.emulate.FORMER_SECTIONS``). Apply it to each layer
+    (file, flags) before merging them, so that a flag overrides a file whichever key each used.
+
+    Raises:
+        ValueError: one setting given under both keys with different values, or a key of the
+            former ``[faults]`` table that never existed.
+    """
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for name, section in FORMER_SECTIONS.items():
+        former = out.get(section)
+        if not isinstance(former, dict) or name not in former:
+            continue
+        value = former.pop(name)
+        now = out.setdefault("emulate", {})
+        if not isinstance(now, dict):
+            continue  # from_dict says what is wrong with it
+        if name in now and now[name] != value:
+            raise ValueError(f"{section}.{name}={value!r} and emulate.{name}={now[name]!r} are both given: "
+                             f"give emulate.{name} only")
+        now[name] = value
+    faults = out.pop("faults", {})
+    if faults:
+        key = f"faults.{next(iter(faults))}" if isinstance(faults, dict) else "faults"
+        raise ValueError(f"unknown setting {key}: the former [faults] table had fail_at and data_delay_s, "
+                         "now in [emulate]")
+    return out
+
+
 def from_dict(data: dict[str, Any]) -> RunConfig:
-    """Build a validated RunConfig from a nested dict (TOML layout); unknown keys are errors."""
+    """Build a validated RunConfig from a nested dict (TOML layout, former keys accepted:
+    :func:`current_layout`); unknown keys are errors."""
     top_types = field_types(RunConfig)
     kwargs: dict[str, Any] = {}
-    for key, value in data.items():
+    for key, value in current_layout(data).items():
         if key in SECTIONS:
             if not isinstance(value, dict):
                 raise ValueError(f"[{key}] must be a table of settings, not {value!r}")

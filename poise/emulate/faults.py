@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from poise.config import FaultConfig
+from poise.config import EmulateConfig
 from poise.runtime.dist import restart_count
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class FaultPlan:
     data_delay_s: float = 0.0  # extra seconds to load every batch, every rank
 
     @classmethod
-    def from_config(cls, config: FaultConfig) -> FaultPlan:
+    def from_config(cls, config: EmulateConfig) -> FaultPlan:
         planned = config.rank_step()
         rank, step = planned if planned else (None, None)
         return cls(rank, step, data_delay_s=config.data_delay_s)

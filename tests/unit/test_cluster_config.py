@@ -12,9 +12,11 @@ import pytest
 from poise import config as cfg
 from poise.cli import build_parser, main
 from poise.cli.flags import resolve
-from poise.cluster.links import Shaping, link_delay_s, link_rate_bit_per_s
-from poise.cluster.state import ClusterState, validate_name, validate_shape
+from poise.cluster.links import Shaping
+from poise.cluster.state import ClusterState, validate_shape
+from poise.config import validate_name
 from poise.launch.elastic import launcher_args
+from poise.units import link_delay_s, link_rate_bit_per_s
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -56,7 +56,7 @@ def test_precedence_defaults_file_flags(tmp_path):
         (["--codec", "topk", "--no-error-feedback", "--comm.local_first", "true"], "error_feedback=False"),
         (["--codec", "topk", "--collective", "hierarchical", "--comm.local_first", "true"],
          "collective='hierarchical'"),
-        (["--checkpoint.delta_codec", "zip"], "checkpoint.delta_codec='zip' is unknown: allowed are exact, int8"),
+        (["--checkpoint.delta_codec", "zip"], "checkpoint.delta_codec='zip' is unknown: allowed are exact, fp16"),
         (["--train.schedule_steps", "0"], "train.schedule_steps"),
         (["--codec", "auto", "--comm.auto_trial_steps", "1"], "comm.auto_trial_steps=1 must be >= 2"),
     ],

@@ -60,8 +60,8 @@ def test_speed_noise_stretches_every_step_by_a_seeded_exponential(sleeps):
 
 
 def test_rank_speed_with_a_start_step_parses():
-    from poise.config import BalanceConfig
+    from poise.config import EmulateConfig
 
-    assert BalanceConfig(rank_speed="1:0.5@80,0:0.9").rank_speeds() == {1: (0.5, 80), 0: (0.9, 0)}
+    assert EmulateConfig(rank_speed="1:0.5@80,0:0.9").rank_speeds() == {1: (0.5, 80), 0: (0.9, 0)}
     with pytest.raises(ValueError, match=r"give RANK:SPEED or RANK:SPEED@STEP"):
-        BalanceConfig(rank_speed="1:0.5@x")
+        EmulateConfig(rank_speed="1:0.5@x")

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise.config import StragglerConfig
+from poise.config import DelaySpec, EmulateConfig, StragglerConfig
+from poise.emulate.delays import DelayModel
 from poise.straggler.claims import LocalClaims
-from poise.straggler.delays import DelayModel
 from poise.straggler.predict import evaluate, make_predictor
 from poise.straggler.queues import build_queues, catch_up, deadline_s, pool_after, split_micro
 from poise.sync.deadline import DeadlineRunner, StepPlan
@@ -145,15 +145,15 @@ def test_the_deadline_follows_the_median_rank_not_the_slowest():
 def test_delay_models_have_the_mean_they_say():
     for text in ("bernoulli:p=0.2,x=1,per=micro", "lognormal:mean=0.2,sigma=1", "pareto:mean=0.2,alpha=2.5",
                  "slow:rank=0,x=0.2"):
-        model = DelayModel.parse(text, seed=3)
+        model = DelayModel(DelaySpec.parse(text), seed=3)
         draws = [model.after_micro(0, s, m, 1.0) for s in range(400) for m in range(50)]
         assert np.mean(draws) == pytest.approx(0.2, rel=0.15), text
-        assert model.mean_inflation() == pytest.approx(0.2)
-    step = DelayModel.parse("bernoulli:p=0.2,x=1", seed=1)
+        assert model.spec.mean_inflation() == pytest.approx(0.2)
+    step = DelayModel(DelaySpec.parse("bernoulli:p=0.2,x=1"), seed=1)
     hits = [step.before_step(r, s, 2.0) for r in range(4) for s in range(2000)]
     assert np.mean(hits) == pytest.approx(0.4, rel=0.1) and set(hits) == {0.0, 2.0}
     assert step.before_step(0, 0, None) == 0.0  # no prediction yet: no stall
-    assert DelayModel.parse("").enabled is False
+    assert DelaySpec.parse("").enabled is False
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -166,7 +166,7 @@ def test_delay_models_have_the_mean_they_say():
 ])
 def test_bad_delay_models_get_one_line(text, message):
     with pytest.raises(ValueError) as err:
-        StragglerConfig(delay=text)
+        EmulateConfig(delay=text)
     assert str(err.value) == message
 
 

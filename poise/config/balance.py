@@ -1,0 +1,54 @@
+"""``[balance]``: how work is split across ranks (see poise/balance/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poise.config.fields import check_finite, check_positive, setting
+
+BALANCE_STRATEGIES = ("static", "cost", "dynamic")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BalanceConfig:
+    """How work is split across ranks (see poise/balance/)."""
+
+    strategy: str = setting(
+        "static", f"data split: {', '.join(BALANCE_STRATEGIES)} (static = DistributedSampler, equal sample counts)"
+    )
+    cost_model: str = setting("auto", "per-sample cost: auto (the task's), linear (L), attention (L + alpha*L^2)")
+    cost_alpha: float | None = setting(
+        None, "attention cost's alpha per token (default: the task's prior, then fitted)"
+    )
+    fit_alpha: bool = setting(True, "dynamic: refit alpha from measured step times at each re-plan")
+    bucket_steps: int = setting(50, "length bucketing: samples of this many steps are sorted by length together")
+    cold_start_steps: int = setting(10, "dynamic: steps on the equal split before the first re-plan")
+    window_steps: int = setting(20, "dynamic: most steps of measurements behind each speed estimate (20-100)")
+    replan_every_steps: int = setting(5, "dynamic: steps between re-plans after the first")
+    max_share_change: float = setting(
+        0.15, "dynamic: largest relative change of a rank's share per re-plan while estimates are noisy, (0, 1]"
+    )
+    confident_error: float = setting(
+        0.05, "dynamic: relative standard error of every speed below which a re-plan moves straight to its target"
+    )
+
+    def __post_init__(self) -> None:
+        check_finite("balance", self)
+        if self.strategy not in BALANCE_STRATEGIES:
+            raise ValueError(
+                f"balance.strategy={self.strategy!r} is unknown: allowed are {', '.join(BALANCE_STRATEGIES)}"
+            )
+        if self.cost_model not in ("auto", "linear", "attention"):
+            raise ValueError(f"balance.cost_model={self.cost_model!r} is unknown: allowed are auto, linear, attention")
+        if self.cost_alpha is not None and self.cost_alpha < 0:
+            raise ValueError(f"balance.cost_alpha={self.cost_alpha} must be >= 0")
+        check_positive("balance", "bucket_steps", self.bucket_steps, allow_none=False)
+        check_positive("balance", "replan_every_steps", self.replan_every_steps, allow_none=False)
+        if self.cold_start_steps < 1:
+            raise ValueError(f"balance.cold_start_steps={self.cold_start_steps} must be >= 1")
+        if not 20 <= self.window_steps <= 100:
+            raise ValueError(f"balance.window_steps={self.window_steps} is outside the allowed 20-100")
+        if not 0.0 < self.max_share_change <= 1.0:
+            raise ValueError(f"balance.max_share_change={self.max_share_change} is outside (0, 1]")
+        if not 0.0 <= self.confident_error <= 1.0:
+            raise ValueError(f"balance.confident_error={self.confident_error} is outside [0, 1]")

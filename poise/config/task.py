@@ -1,0 +1,40 @@
+"""``[task]``: what is trained, the task and its model size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poise.config.fields import check_finite, check_positive, setting
+
+TASK_NAMES = ("code-lm", "digits")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """What is trained: the task and its model size."""
+
+    name: str = setting("code-lm", f"task to train: {', '.join(TASK_NAMES)}")
+    max_seq_len: int = setting(1024, "code-lm: samples are truncated to this many bytes")
+    d_model: int = setting(128, "code-lm: transformer width")
+    num_layers: int = setting(2, "code-lm: transformer blocks")
+    num_heads: int = setting(4, "code-lm: attention heads (must divide d_model)")
+    eval_max_samples: int = setting(
+        512, "held-out samples evaluated at the end (0 = all of the held-out split)"
+    )
+    cache_dir: str = setting("", "where the code-lm corpus index is cached ('' = ~/.cache/poise)")
+
+    def __post_init__(self) -> None:
+        check_finite("task", self)
+        if self.name not in TASK_NAMES:
+            raise ValueError(f"task.name={self.name!r} is unknown: allowed are {', '.join(TASK_NAMES)}")
+        for name in ("max_seq_len", "d_model", "num_layers", "num_heads"):
+            check_positive("task", name, getattr(self, name), allow_none=False)
+        if self.max_seq_len < 16:
+            raise ValueError(f"task.max_seq_len={self.max_seq_len} is too small: it must be >= 16")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"task.d_model={self.d_model} is not divisible by task.num_heads={self.num_heads}"
+            )
+        if self.eval_max_samples < 0:
+            raise ValueError(f"task.eval_max_samples={self.eval_max_samples} must be >= 0")
+

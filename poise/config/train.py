@@ -1,0 +1,70 @@
+"""``[train]``: how long and how hard to train."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poise.config.fields import check_finite, check_positive, setting
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How long and how hard to train."""
+
+    steps: int | None = setting(None, "optimizer steps to run (default 100 unless epochs is set)")
+    epochs: int | None = setting(None, "full passes over the training split (instead of steps)")
+    batch_size: int | None = setting(None, "samples per rank per step (default: the task's)")
+    batch_tokens: int | None = setting(
+        None, "code-lm: per-rank token budget per step, padded tokens counted (instead of batch_size)"
+    )
+    lr: float | None = setting(None, "peak learning rate of AdamW (default: the task's)")
+    weight_decay: float = setting(0.01, "AdamW weight decay")
+    warmup_steps: int = setting(10, "linear learning-rate warm-up, then cosine decay to 10%")
+    schedule_steps: int | None = setting(
+        None, "optimizer steps the learning-rate schedule spans while gradients go exact (default: the whole "
+        "run; its cosine reaches 10% there and stays); a lossy codec, or auto keeping PowerSGD, spans the whole "
+        "run, as its steps are worth less (poise bench network gives them extra steps)"
+    )
+    grad_clip_norm: float = setting(1.0, "clip the global gradient norm to this (0 = off)")
+    seed: int = setting(0, "seed for the model, data order and every rank's RNG")
+    accum_steps: int = setting(
+        1, "micro-batches per optimizer step (gradient accumulation); --checkpoint-every, --fail-at count micro-batches"
+    )
+    frozen: str = setting(
+        "", "parameter-name prefixes kept fixed, comma-separated (fine-tuning), e.g. 'blocks.0,token_embedding'"
+    )
+    eval_every: int = setting(
+        0, "evaluate every N optimizer steps too, not only at the end (0: at the end only); the report's "
+        "eval_curve gives each evaluation's loss against the training seconds so far (time to accuracy)"
+    )
+    stop_at_eval_loss: float | None = setting(
+        None, "stop once an evaluation (train.eval_every) reaches this eval loss (the task's unit; the "
+        "learning-rate schedule still spans the whole run)"
+    )
+
+    def frozen_prefixes(self) -> tuple[str, ...]:
+        """``frozen`` parsed: the parameter-name prefixes kept fixed."""
+        return tuple(p.strip() for p in self.frozen.split(",") if p.strip())
+
+    def __post_init__(self) -> None:
+        check_finite("train", self)
+        for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr", "schedule_steps"):
+            check_positive("train", name, getattr(self, name))
+        check_positive("train", "accum_steps", self.accum_steps, allow_none=False)
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"train.steps={self.steps} and train.epochs={self.epochs} are both set: give one"
+            )
+        if self.batch_size is not None and self.batch_tokens is not None:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} and train.batch_tokens={self.batch_tokens} "
+                "are both set: give one"
+            )
+        if self.weight_decay < 0 or self.warmup_steps < 0 or self.grad_clip_norm < 0:
+            raise ValueError("train.weight_decay, train.warmup_steps and train.grad_clip_norm must be >= 0")
+        if self.eval_every < 0:
+            raise ValueError(f"train.eval_every={self.eval_every} must be >= 0 (0: evaluate at the end only)")
+        if self.stop_at_eval_loss is not None and not self.eval_every:
+            raise ValueError(f"train.stop_at_eval_loss={self.stop_at_eval_loss} needs train.eval_every > 0: "
+                             "the loss is checked at those evaluations")
+

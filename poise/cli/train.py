@@ -100,7 +100,7 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
 
         check_fresh_start(config)
     if config.checkpoint.every_steps:
-        from poise.checkpoint.layout import check_directory
+        from poise.checkpoint.directory import check_directory
 
         check_directory(Path(config.checkpoint_dir))  # a file in the way fails now, not at the first save
     if config.dist.max_restarts and not config.checkpoint.every_steps:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from poise import config as cfg
-from poise.checkpoint import layout
+from poise.checkpoint import directory
 from poise.checkpoint.saver import Checkpointer
 from poise.cli import build_parser, main
 from poise.cli import train as train_cli
@@ -96,7 +96,7 @@ def _saved(root: Path, steps: int) -> None:
             model[4].weight.add_(0.01)
         saver.save(_state(model, step))
     saver.wait()
-    layout.unlock(root)
+    directory.unlock(root)
 
 
 def test_checkpoint_list_and_verify(tmp_path, capsys):

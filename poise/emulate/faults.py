@@ -56,7 +56,7 @@ class FaultPlan:
             time.sleep(delay_s)
             return collate(batch)
 
-        log.warning("injected fault: every batch loads %.3f s slower (faults.data_delay_s)", delay_s)
+        log.warning("injected fault: every batch loads %.3f s slower (emulate.data_delay_s)", delay_s)
         return slow_collate
 
     def due(self, rank: int, step: int, attempt: int) -> bool:

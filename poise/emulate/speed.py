@@ -7,9 +7,9 @@ forward) and a wrapper around the DDP comm hook (stretches backward up to each b
 This is an emulation for tests and benchmarks, and reports say so. The slowdown scales with
 the work done — a rank at speed 0.5 takes twice as long for the same batch — so a balancer
 has something real to learn; it is never a constant delay. ``1:0.5@80`` slows rank 1 from
-step 80 on (a device that degrades mid-run). ``balance.speed_noise`` adds noise to every
+step 80 on (a device that degrades mid-run). ``emulate.speed_noise`` adds noise to every
 rank: each step's compute is stretched by ``1 + X``, ``X`` exponential with that mean (drawn
-per rank and step from the run's seed; with ``balance.speed_noise_steps`` N, one draw holds
+per rank and step from the run's seed; with ``emulate.speed_noise_steps`` N, one draw holds
 for N steps in a row: bursts of contention, as other jobs on a host cause), always by
 sleeping. Two methods for the speed:
 
@@ -219,7 +219,7 @@ def apply_slowdown(rank: int, rank_speeds: dict[int, tuple[float, int]], method:
             lowered = from_step == 0
         except OSError as exc:
             if method == "cgroup":
-                raise OSError(f"balance.slowdown_method='cgroup' but the CPU cgroup is not usable: {exc}") from exc
+                raise OSError(f"emulate.slowdown_method='cgroup' but the CPU cgroup is not usable: {exc}") from exc
             log.warning("rank %d: no cgroup CPU quota (%s); sleeping instead", rank, exc)
         else:
             log.warning("rank %d runs at emulated speed %.2f from step %d: CPU quota %.2f CPUs in %s", rank, speed,

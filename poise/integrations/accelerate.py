@@ -3,7 +3,7 @@
 After ``model, optimizer = accelerator.prepare(model, optimizer)``, ``attach(accelerator,
 model, lengths=..., ...)`` makes the session on the DDP model Accelerate built (poise's codec
 hook and timing probe on it) with ``backward=accelerator.backward`` (its grad scaler under
-mixed precision). The loop is then a session loop (``poise/session.py``)::
+mixed precision). The loop is then a session loop (``poise/run/session.py``)::
 
     accelerator = Accelerator(cpu=True)       # torchrun on CPU: MULTI_CPU over gloo
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test docs lint clean
 
 venv: $(VENV)/.installed
 
@@ -21,8 +21,19 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/poise demo --out runs/demo
 
-test: venv
+# the documentation site's tools (the docs extra): the suite builds the site; make demo does not need them
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+test: venv $(VENV)/.docs-installed
 	$(BIN)/python -m pytest -q
+
+# the reference pages from the code (poise/cli/reference.py), then the site into site/, --strict:
+# a broken link, anchor or API reference fails the build
+docs: venv $(VENV)/.docs-installed
+	$(BIN)/python -m poise.cli.reference docs/reference
+	$(BIN)/mkdocs build --strict
 
 # ruff, then the package layers and import contracts of pyproject.toml's [tool.importlinter]
 lint: venv
@@ -30,4 +41,4 @@ lint: venv
 	$(BIN)/lint-imports --no-cache
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

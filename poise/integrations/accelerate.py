@@ -79,14 +79,35 @@ def attach(accelerator: Accelerator, model: nn.Module, **session_kwargs: Any) ->
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"attach(): model is a {type(model).__name__}, not the DistributedDataParallel model "
                          "accelerator.prepare(model, optimizer) returns (pass that one; torch.compile it later)")
-    if getattr(accelerator, "_dataloaders", None):
-        log.warning("attach(): %d DataLoader(s) went through accelerator.prepare: that is fine for evaluation, "
-                    "but the training loader must be session.dataloader(dataset) (or batch_sampler="
-                    "session.sampler) without prepare, or Accelerate shards its batches again",
-                    len(accelerator._dataloaders))
     session = Session.from_kwargs(model, **session_kwargs)
     session.backward = accelerator.backward  # its grad scaler under mixed precision
+    session.add_listener(_UnpreparedLoader(accelerator, session.sampler))
     return session
+
+
+class _UnpreparedLoader:
+    """A step listener that refuses, before a step trains, a session loader that went through
+    ``accelerator.prepare``: Accelerate wraps its batch sampler in a shard that takes every
+    other batch of the session's plan, so the batch in hand is not the one the step weights
+    and samples are skipped (a loader for evaluation may be prepared: it is not the session's)."""
+
+    def __init__(self, accelerator: Accelerator, sampler: object) -> None:
+        self.accelerator, self.sampler = accelerator, sampler
+
+    def step_began(self, index: int) -> None:
+        for loader in getattr(self.accelerator, "_dataloaders", ()):
+            batch_sampler = getattr(loader, "batch_sampler", None)
+            if batch_sampler is not None and getattr(batch_sampler, "batch_sampler", None) is self.sampler:
+                raise ValueError("the session's DataLoader went through accelerator.prepare: Accelerate shards its "
+                                 "batches again (each rank takes every other batch of its own plan), so the batch "
+                                 "in hand is not the one the step weights; use session.dataloader(dataset) as it "
+                                 "is, without prepare")
+
+    def step_ended(self, index: int) -> None:
+        """Nothing to check after a step."""
+
+    def injected_s(self) -> float:
+        return 0.0
 
 
 __all__ = ["attach"]

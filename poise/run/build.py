@@ -18,6 +18,7 @@ from torch import nn
 
 from poise.balance import BalancedBatchSampler
 from poise.balance.rebalance import DynamicPartitioner
+from poise.balance.replay import ReplayedPartitioner, load_replans
 from poise.comm import registry
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, EmulateConfig, MetricsConfig, StragglerConfig
 from poise.diagnostics import metrics as metrics_mod
@@ -39,9 +40,10 @@ class Parts:
     world_size: int
     backend: str
     device: torch.device
+    collective_device: torch.device
     sampler: Sampler
     loss_terms: np.ndarray | None
-    partitioner: DynamicPartitioner | None
+    partitioner: DynamicPartitioner | ReplayedPartitioner | None
     clock: Clock
     sync: Sync
     emulation: Emulation
@@ -65,6 +67,10 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
                          "dist.init_process_group(...) (torchrun sets the environment it reads)")
     rank, world_size, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
     registry.check(comm)
+    if registry.codec(comm.codec).lossy and comm.start_step is None and data.total_steps is None:
+        raise ValueError(f"comm.codec={comm.codec!r} is lossy: it starts compressing after a twentieth of the run and "
+                         "twice the learning-rate warm-up, so give Data(total_steps=...) (optimizer steps; and "
+                         "lr_warmup_steps=...), or CommConfig(start_step=N) to say when yourself")
     deadline = straggler.enabled or bool(emulate.delay)
     if deadline and data.accum_steps != 1:
         raise ValueError(f"accum_steps={data.accum_steps} with straggler.mode={straggler.mode!r} (or delays): "
@@ -77,9 +83,12 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     keep = device.type == "cpu" if keep_freed_memory is None else keep_freed_memory
     freed_memory = memory.keep_freed_memory() if keep else None
     collective_device = device if backend == "nccl" else torch.device("cpu")
-    partitioner = None
-    if balance.strategy == "dynamic":
+    partitioner: DynamicPartitioner | ReplayedPartitioner | None = None
+    if balance.strategy == "dynamic" and balance.replay:
         assert isinstance(sampler, BalancedBatchSampler)  # plan_sampler refuses others for dynamic
+        partitioner = ReplayedPartitioner(sampler, load_replans(balance.replay, world_size))
+    elif balance.strategy == "dynamic":
+        assert isinstance(sampler, BalancedBatchSampler)
         partitioner = DynamicPartitioner(
             sampler, cold_start_steps=balance.cold_start_steps, window_steps=balance.window_steps,
             replan_every_steps=balance.replan_every_steps, max_share_change=balance.max_share_change,
@@ -109,7 +118,8 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     recorder = Recorder(clock=clock, timeline=timeline, lengths=sampler.lengths, sync=sync, partitioner=partitioner,
                         trial=sync.trial,
                         freed_memory=freed_memory, last_step=last_step)
-    return Parts(rank=rank, world_size=world_size, backend=backend, device=device, sampler=sampler,
+    return Parts(rank=rank, world_size=world_size, backend=backend, device=device,
+                 collective_device=collective_device, sampler=sampler,
                  loss_terms=loss_terms, partitioner=partitioner, clock=clock, sync=sync, emulation=emulation,
                  recorder=recorder, metrics=exporter, freed_memory=freed_memory, compression_start=start)
 

@@ -121,4 +121,25 @@ def check_dataset(dataset: Any, lengths: np.ndarray) -> None:
         raise ValueError(f"the dataset has {len(dataset)} samples but lengths has {len(lengths)}")
 
 
-__all__ = ["Data", "Sampler", "check_dataset", "plan_sampler"]
+def check_loader(loader: Any, sampler: Sampler, lengths: np.ndarray) -> None:
+    """One line, before any step, for a loader whose batches are not the ones the session
+    weights: another batch sampler (``accelerator.prepare`` wraps it and takes every other
+    batch), or a dataset whose length is not the number of samples the plan covers."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is not sampler:
+        wrapped = getattr(batch_sampler, "batch_sampler", None) is sampler
+        raise ValueError("session.steps(loader): the loader must batch with session.sampler itself (use "
+                         "session.dataloader(dataset)); " + (
+                             f"it batches with a {type(batch_sampler).__name__} around it (accelerator.prepare"
+                             "(loader)?), which takes only some of the session's batches, so the batch in hand "
+                             "would not be the one weighted: do not prepare the session's loader"
+                             if wrapped else f"it batches with {type(batch_sampler).__name__}"))
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and hasattr(dataset, "__len__"):
+        check_dataset(dataset, lengths)
+
+
+# Data's fields, by name (Session.from_kwargs tells them from the session's own keywords).
+DATA_FIELDS = tuple(f.name for f in dataclasses.fields(Data))
+
+__all__ = ["DATA_FIELDS", "Data", "Sampler", "check_dataset", "check_loader", "plan_sampler"]

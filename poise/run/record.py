@@ -10,7 +10,9 @@ rank's figures and writes the outputs on rank 0.
 
 from __future__ import annotations
 
+import sys
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +22,7 @@ import numpy as np
 import torch.distributed as dist
 
 from poise.balance.rebalance import DynamicPartitioner, window_terms
+from poise.balance.replay import ReplayedPartitioner
 from poise.comm.trial import CodecTrial
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.timeline import StepRecord, Timeline
@@ -47,7 +50,7 @@ class Recorder:
     """
 
     def __init__(self, *, clock: Clock, timeline: Timeline, lengths: np.ndarray, sync: Sync,
-                 partitioner: DynamicPartitioner | None, trial: CodecTrial | None,
+                 partitioner: DynamicPartitioner | ReplayedPartitioner | None, trial: CodecTrial | None,
                  freed_memory: memory.FreedMemory | None, last_step: int | None) -> None:
         self.clock, self.timeline, self.lengths, self.sync = clock, timeline, lengths, sync
         self.partitioner, self.trial, self.freed_memory, self.last_step = partitioner, trial, freed_memory, last_step
@@ -61,6 +64,7 @@ class Recorder:
         self.clock_s: float | None = None  # when the first step opened: training time counts from there
         self.eval_s = 0.0  # seconds spent in evaluations, left out of the training time
         self.eval_curve: list[dict[str, float]] = []
+        self.finished = False  # the report was written (write_report ran)
 
     # -- the open step (StepOwner) -----------------------------------------------------------
 
@@ -136,6 +140,20 @@ class Recorder:
         return result
 
 
+def run_keys(recorder: Recorder, ranks: list[dict[str, Any]], *, compression_start: int,
+             trial: CodecTrial | None, partitioner: DynamicPartitioner | ReplayedPartitioner | None) -> dict[str, Any]:
+    """The report's keys about how the run went, from every rank's gathered figures (rank 0)."""
+    return {
+        "compression_start_step": compression_start,  # optimizer steps sent uncompressed first
+        "codec_trial": trial.summary() if trial else None,
+        "replans": [e.__dict__ for e in partitioner.history] if partitioner else [],
+        "straggler": [d.pop("straggler") for d in ranks],  # per rank; None: off
+        "freed_memory": [d.pop("memory") for d in ranks],  # per rank (poise/runtime/memory.py)
+        "emulated_slowdown": ranks,  # speed 1.0, method 'none' = not slowed
+        "eval_curve": recorder.eval_curve,  # rank 0's evaluate() calls: step, train_s (s), loss
+    }
+
+
 def write_report(recorder: Recorder, *, rank: int, world_size: int, per_rank: dict[str, Any],
                  make_report: Callable[[list[dict[str, Any]], Any], dict[str, Any]], out_dir: Path | None,
                  plot: bool) -> dict[str, Any] | None:
@@ -168,7 +186,17 @@ def write_report(recorder: Recorder, *, rank: int, world_size: int, per_rank: di
     # the broadcast's source returns as soon as it has sent: without this, rank 0 can tear
     # its process group down while a peer still reads (gloo then aborted one run in CI)
     dist.barrier()
+    recorder.finished = True
     return report
 
 
-__all__ = ["Recorder", "write_report"]
+def warn_unfinished(ref: weakref.ref[Recorder], rank: int) -> None:
+    """At exit (``atexit``): say so when steps were trained but no report was written
+    (``session.finish()`` never ran), so the run does not pass for a finished one."""
+    recorder = ref()
+    if recorder is not None and not recorder.finished and recorder.steps_done and rank == 0:
+        sys.stderr.write(f"poise: {recorder.steps_done} steps were trained but session.finish() was never called: "
+                         "no report.json was written (call it on every rank after the last step)\n")
+
+
+__all__ = ["Recorder", "run_keys", "warn_unfinished", "write_report"]

@@ -1,20 +1,12 @@
 """poise in your own training loop: :class:`Session`, between your loop and torch.distributed.
 
 You keep your model, optimizer, dataset, loss and loop. A session, made once the process
-group is up, gives you:
-
-- ``session.model``: your model as the synchronization strategy wrapped it (DDP with poise's
-  gradient codec registered as its comm hook behind the timing probe);
-- ``session.sampler``: the batch sampler for your DataLoader (static, cost-balanced, or
-  dynamically re-balanced from measured speeds);
-- ``session.step()`` / ``session.steps(loader)``: a context per step that weights your loss so
-  that the reduced gradient is the exact gradient of the whole step's batch however unequal
-  the ranks' batches are, measures this rank's data / compute / communication / idle /
-  optimizer seconds, and feeds the re-planner;
-- ``state_dict()`` / ``load_state_dict()``: all of poise's state, for your checkpoints;
-- ``finish()``: ``report.json``, ``timeline.png``, ``trace.json`` and ``timeline.npz`` (the
-  per-rank per-step table ``poise diagnose run`` reads) in ``out_dir``;
-- ``metrics=MetricsConfig(port=...)``: live Prometheus metrics from rank 0 while it runs.
+group is up, gives your DataLoader a balanced batch sampler (``session.sampler``), wraps your
+model for the synchronization strategy (``session.model``: DDP with poise's codec hook
+behind the timing probe), weights each step's loss so the reduced gradient is exact however
+unequal the ranks' batches (``session.steps(loader)``, ``session.step()``), measures every
+rank, re-plans, keeps its state for your checkpoints (``state_dict()``) and writes the
+report, timeline and trace at the end (``finish()``).
 
 Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -37,9 +29,10 @@ How it is put together: :mod:`poise.run.build` (the parts), :mod:`poise.run.step
 
 from __future__ import annotations
 
-import dataclasses
+import atexit
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from poise.balance.rebalance import DynamicPartitioner
+from poise.balance.replay import ReplayedPartitioner
 from poise.balance.weights import loss_weight
 from poise.comm.trial import CodecTrial
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, EmulateConfig, MetricsConfig, StragglerConfig
@@ -57,9 +51,10 @@ from poise.diagnostics import report as report_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import StepRecord
 from poise.run import build as build_mod
-from poise.run.data import Data, Sampler, check_dataset
-from poise.run.record import write_report
-from poise.run.step import DeadlineStep, Step, StepEnv
+from poise.run.data import DATA_FIELDS, Data, Sampler, check_dataset, check_loader
+from poise.run.record import run_keys, warn_unfinished, write_report
+from poise.run.step import DeadlineStep, Step, StepEnv, StepListener
+from poise.runtime import dist as rdist
 from poise.runtime import memory
 from poise.runtime.clock import Clock
 from poise.sync import Deadline, Sync
@@ -130,7 +125,7 @@ class Session:
         self.lengths: np.ndarray = parts.sampler.lengths
         self.loss_terms: np.ndarray | None = parts.loss_terms
         self.accum_steps, self.total_steps = self.data.accum_steps, self.data.total_steps
-        self.partitioner: DynamicPartitioner | None = parts.partitioner
+        self.partitioner: DynamicPartitioner | ReplayedPartitioner | None = parts.partitioner
         self.clock: Clock = parts.clock
         self.sync: Sync = parts.sync
         self.metrics: MetricsExporter | None = parts.metrics
@@ -140,7 +135,17 @@ class Session:
         self._emulation = parts.emulation
         self._recorder = parts.recorder
         self._env = StepEnv(sync=parts.sync, clock=parts.clock, lengths=self.lengths, world_size=self.world_size,
-                            owner=parts.recorder, listeners=parts.emulation.listeners)
+                            owner=parts.recorder, listeners=list(parts.emulation.listeners),
+                            device=parts.collective_device, accum_steps=self.accum_steps)
+        self._loop_step: Step | None = None  # the step a session.steps loop holds open
+        atexit.register(warn_unfinished, weakref.ref(parts.recorder), self.rank)
+        rdist.close_at_exit()  # the process group goes before the interpreter finalizes (see there)
+
+    def add_listener(self, listener: StepListener) -> None:
+        """Tell ``listener`` when each step begins and ends (``step_began(index)``,
+        ``step_ended(index)``, ``injected_s()``: see :class:`poise.run.step.StepListener`); the
+        adapters check their framework's state there, emulation installs itself there."""
+        self._env.listeners.append(listener)
 
     @classmethod
     def from_kwargs(cls, model: nn.Module, **kwargs: Any) -> Session:
@@ -249,6 +254,7 @@ class Session:
         those go back into the epoch's plan). After the epoch's last planned step come the
         catch-up steps of what was deferred.
         """
+        check_loader(loader, self.sampler, self.lengths)
         if self.deadline is not None:
             yield from self._deadline_steps(loader)
             return
@@ -258,19 +264,27 @@ class Session:
 
     def _hand_out(self, step: Step, item: Any) -> Iterator[tuple[Any, Any]]:
         """Yield ``(step, item)``; end the step when the loop comes back, unless it ended it."""
+        self._loop_step = step
         try:
             yield step, item
         except GeneratorExit:  # the loop was left with break (or an error) inside this step
-            done = step.plan.settled if isinstance(step, DeadlineStep) else step.backward_done
-            step.end() if done and self._recorder.is_open(step) else step.abort()
+            self._close_loop_step()
             raise
         if self._recorder.is_open(step):  # not ended by the loop itself
             step.end()
+        self._loop_step = None
+
+    def _close_loop_step(self) -> None:
+        """Close the step a ``session.steps`` loop holds open when the loop is left, or when
+        ``evaluate``/``finish`` come first (a loop left with ``break`` while the iterator is still
+        referenced): recorded if its work was done, else dropped (its batch is trained again)."""
+        step, self._loop_step = self._loop_step, None
+        if step is None or not self._recorder.is_open(step):
+            return
+        done = step.plan.settled if isinstance(step, DeadlineStep) else step.backward_done
+        step.end() if done else step.abort()
 
     def _deadline_steps(self, loader: Any) -> Iterator[tuple[DeadlineStep, Iterator[Any]]]:
-        if getattr(loader, "batch_sampler", None) is not self.sampler:
-            raise ValueError("session.steps(loader) with straggler on: the loader must have "
-                             "batch_sampler=session.sampler (micro-batches are fetched from loader.dataset)")
         dataset, collate = loader.dataset, loader.collate_fn
 
         def load(indices: np.ndarray) -> Any:
@@ -311,16 +325,27 @@ class Session:
         values and tensors (``torch.save`` with ``weights_only=True`` loads it). Rank-specific
         parts (residuals, this rank's measurements) are marked with the rank they belong to.
 
+        Inside an open step (the natural place: after ``optimizer.step()`` in a ``session.steps``
+        loop), a step whose backward ran counts as done; one whose backward did not run is
+        trained again after a resume.
+
         No collective: any rank can call it at any time, e.g. rank 0 alone for its checkpoint.
         """
         claimed = self.sampler.handed[0][1] if self.sampler.handed else self.sampler.position
+        steps_done = self.steps_done
+        open_step = self._recorder.active
+        if open_step is not None and open_step.position >= 0:
+            if open_step.backward_done:
+                steps_done += 1
+            else:
+                claimed = open_step.position
         partitioner = self.partitioner.state_dict() if self.partitioner else None
         window = None
         if partitioner is not None:
             window = partitioner.pop("window") + self._recorder.pending_window()
         deadline = self.deadline
         return {
-            "rank": self.rank, "world_size": self.world_size, "steps_done": self.steps_done,
+            "rank": self.rank, "world_size": self.world_size, "steps_done": steps_done,
             "sampler": self.sampler.state_dict(position=claimed),
             "partitioner": partitioner,
             "window": window,
@@ -369,9 +394,13 @@ class Session:
         time to a target loss from it. If ``fn`` is a collective (a sharded evaluation), call
         this on every rank; rank 0's record goes into the report.
 
+        Inside a ``session.steps`` loop, after the step's backward (and your optimizer step), the
+        step is recorded first: the evaluation is not part of it.
+
         Raises:
             ValueError: inside an open step, or when ``fn``'s result has no loss.
         """
+        self._close_loop_step()
         return self._recorder.evaluate(fn, self.steps_done // self.accum_steps)
 
     def finish(self, extra: dict[str, Any] | None = None, *, loss_scale: float = 1.0) -> dict[str, Any] | None:
@@ -387,6 +416,7 @@ class Session:
             ValueError: inside an open step, or when no step was recorded (on every rank).
             RuntimeError: on the other ranks, when rank 0 could not write (rank 0 re-raises its error).
         """
+        self._close_loop_step()  # a session.steps loop left with break: its last step is closed here
         if self._recorder.active is not None:
             raise ValueError("session.finish() inside an open step")
         if self.steps_done == 0:
@@ -394,36 +424,24 @@ class Session:
         deadline = self.deadline
         per_rank = {**self._emulation.describe(), "memory": memory.summary(self.freed_memory),
                     "straggler": deadline.runner.summary() if deadline is not None else None}
+
+        def make_report(gathered: list[dict[str, Any]], table: Any) -> dict[str, Any]:  # rank 0
+            return {"world_size": self.world_size, "backend": self.backend,
+                    "wall_s": time.perf_counter() - self._started_s,
+                    **report_mod.summarize(table, loss_scale=loss_scale),
+                    "balance_strategy": self.balance.strategy, "codec": self.comm.codec,
+                    **run_keys(self._recorder, gathered, compression_start=self.compression_start,
+                               trial=self.codec_trial, partitioner=self.partitioner),
+                    **(extra or {})}
+
         report = write_report(self._recorder, rank=self.rank, world_size=self.world_size, per_rank=per_rank,
-                              make_report=lambda gathered, table: self._report(gathered, table, extra, loss_scale),
-                              out_dir=self.out_dir, plot=self.diagnostics.plot)
+                              make_report=make_report, out_dir=self.out_dir, plot=self.diagnostics.plot)
         if self.metrics is not None:
             self.metrics.close()  # the job is over: release the port
         return report
 
-    def _report(self, ranks: list[dict[str, Any]], table: Any, extra: dict[str, Any] | None,
-                loss_scale: float) -> dict[str, Any]:
-        """Rank 0: the report of the run from every rank's figures and the gathered table."""
-        return {
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "wall_s": time.perf_counter() - self._started_s,
-            **report_mod.summarize(table, loss_scale=loss_scale),
-            "balance_strategy": self.balance.strategy,
-            "codec": self.comm.codec,
-            "compression_start_step": self.compression_start,  # optimizer steps sent uncompressed first
-            "codec_trial": self.codec_trial.summary() if self.codec_trial else None,
-            "replans": [e.__dict__ for e in self.partitioner.history] if self.partitioner else [],
-            "straggler": [d.pop("straggler") for d in ranks],  # per rank; None: off
-            "freed_memory": [d.pop("memory") for d in ranks],  # per rank (poise/runtime/memory.py)
-            "emulated_slowdown": ranks,  # speed 1.0, method 'none' = not slowed
-            "eval_curve": self._recorder.eval_curve,  # rank 0's evaluate() calls: step, train_s (s), loss
-            **(extra or {}),
-        }
 
-
-# The keywords of Session.from_kwargs: Data's fields, and the session's own settings.
-DATA_FIELDS = tuple(f.name for f in dataclasses.fields(Data))
+# The keywords of Session.from_kwargs besides Data's fields: the session's own settings.
 SESSION_KEYWORDS = ("balance", "comm", "straggler", "emulate", "diagnostics", "metrics", "out_dir",
                     "keep_freed_memory")
 

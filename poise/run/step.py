@@ -12,13 +12,14 @@ optimizer step, and reads its traffic when it closes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from poise.run.marks import StepMarks
 from poise.runtime.clock import Clock
@@ -67,6 +68,8 @@ class StepEnv:
         listeners: told when a step begins and ends.
         backward: the default way :meth:`Step.backward` runs backward (``accelerator.backward``;
             None: ``loss.backward()``). Read at each call.
+        device: where small collectives' tensors live (the process group's device).
+        accum_steps: micro-batches per optimizer step (a micro-batch's weight divides by it).
     """
 
     sync: Sync
@@ -74,8 +77,10 @@ class StepEnv:
     lengths: np.ndarray
     world_size: int
     owner: StepOwner
-    listeners: Sequence[StepListener] = ()
+    listeners: list[StepListener] = field(default_factory=list)
     backward: Callable[[torch.Tensor], Any] | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    accum_steps: int = 1
 
 
 class Step:
@@ -109,9 +114,9 @@ class Step:
 
     def _open(self, data_s: float) -> None:
         env = self.env
-        last_exit_cpu_s = env.owner.opened(self)
-        for listener in env.listeners:
+        for listener in env.listeners:  # first: a listener may refuse the step before it opens
             listener.step_began(self.index)
+        last_exit_cpu_s = env.owner.opened(self)
         env.sync.begin_step(self.index)
         env.sync.micro_batch(self.sync)  # DDP's no_sync must cover the forward too: it arms the reduction there
         # CPU since the previous step ended (its data loading included), or from here for the first
@@ -133,15 +138,19 @@ class Step:
 
     def _run_backward(self, weighted: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None) -> None:
         run = backward or self.env.backward
-        if run is None:
-            weighted.backward()
-        else:
-            run(weighted)
+        self.env.sync.backward(weighted.backward if run is None else lambda: run(weighted))
 
-    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None) -> None:
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None, *,
+                 num_items: float | torch.Tensor | None = None) -> None:
         """Weight ``loss`` (the mean over this rank's batch) and run backward; gradients are
         communicated here. ``backward``: your own backward call (``accelerator.backward``),
         given the weighted loss; default: the session's ``backward``, else ``loss.backward()``.
+
+        ``num_items``: how many terms ``loss`` averages over in the batch in hand (tokens with a
+        label, e.g. ``(labels[:, 1:] != -100).sum()`` for a Hugging Face causal LM, which shifts
+        its labels). Given, the weight is this rank's share of the terms every rank counted (one
+        small all-reduce: pass it on every rank alike), so the gradient is exact whatever
+        ``Data.loss_terms`` says; None: the weight of the planned batches' ``loss_terms``.
 
         Raises:
             ValueError: after the step ended, or a second time in one step.
@@ -150,13 +159,26 @@ class Step:
         if m.backward is not None:
             raise ValueError(f"step.backward() called twice in step {self.index}: once per step")
         env = self.env
+        weight = self.weight if num_items is None else self._counted_weight(num_items)
         m.backward = env.clock.mark()
-        self._run_backward(loss * self.weight, backward)
+        self._run_backward(loss * weight, backward)
         m.backward_end = env.clock.mark()
         m.compute_cpu_s = time.thread_time() - self._thread_cpu_from  # the forward since the step opened, and backward
         m.ready = env.sync.probe.last_ready
         m.in_flight = list(env.sync.probe.in_flight)
         self.loss = loss.detach()
+
+    def _counted_weight(self, num_items: float | torch.Tensor) -> float:
+        """``world × mine / every rank's`` terms, divided by the accumulation: the weight of
+        ``num_items`` terms in hand (an all-reduce of one number)."""
+        mine = float(num_items.detach().sum()) if isinstance(num_items, torch.Tensor) else float(num_items)
+        if not mine >= 0:
+            raise ValueError(f"step.backward(num_items={mine!r}): give the count of loss terms in the batch, >= 0")
+        total = torch.tensor([mine], dtype=torch.float64, device=self.env.device)
+        dist.all_reduce(total)
+        every = float(total.item())
+        self.weight = (self.env.world_size * mine / every if every > 0 else 1.0) / self.env.accum_steps
+        return self.weight
 
     def end(self) -> None:
         """Close the step (after your optimizer step) and record it.
@@ -241,8 +263,18 @@ class DeadlineStep(Step):
             self._micro.close()
             self._micro = None
 
-    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None) -> None:
-        """Weight ``loss`` (the mean over the micro-batch just handed out) and run backward."""
+    def backward(self, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None, *,
+                 num_items: float | torch.Tensor | None = None) -> None:
+        """Weight ``loss`` (the mean over the micro-batch just handed out) and run backward.
+
+        Raises:
+            ValueError: with ``num_items``: deadline steps weigh micro-batches by the planned
+                ``Data.loss_terms`` (the count of what every rank computed is agreed at the
+                reduction), so give those instead.
+        """
+        if num_items is not None:
+            raise ValueError("step.backward(num_items=...) in a deadline step: give Data(loss_terms=...) instead "
+                             "(per-sample terms; the deadline's count of computed terms uses them)")
         m, plan, runner = self._open_marks("step.backward()"), self.plan, self.deadline.runner
         if plan.current is None or plan.backwards != plan.computed:
             raise ValueError(f"step.backward() in step {self.index}: once per micro-batch handed out by "

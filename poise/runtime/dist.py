@@ -9,11 +9,13 @@ workers that were handed different settings stop at once with a clear message.
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -175,6 +177,49 @@ def close(*, synchronize: bool) -> None:
         if synchronize:
             dist.barrier()
         dist.destroy_process_group()
+
+
+EXIT_WAIT_S = 10.0  # how long the rank that hosts the store waits at exit for the others' teardown
+_CLOSE_AT_EXIT: list[bool] = []
+
+
+def close_at_exit() -> None:
+    """Destroy the process group when the interpreter exits normally, before it finalizes,
+    in an order that cannot deadlock (idempotent; a script's own ``destroy_process_group``
+    first makes it a no-op).
+
+    Why: a gloo process group left to the interpreter's finalization still has worker threads
+    that hold Python objects (the futures of DDP's comm hooks); destroying those while the
+    interpreter is torn down can abort or hang the process after every output was written
+    (pytorch/pytorch#190489). ``atexit`` runs while the interpreter is fully alive. And the
+    rank whose process hosts the rendezvous store waits, at most ``EXIT_WAIT_S`` seconds, until
+    every rank has destroyed its group: a rank slowed (a CPU quota) must not find the store gone
+    mid-teardown.
+    """
+    if not _CLOSE_AT_EXIT:
+        _CLOSE_AT_EXIT.append(True)
+        atexit.register(_close_in_order)
+
+
+def _close_in_order() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()  # torch has no public accessor
+    except (RuntimeError, ValueError):
+        store = None
+    dist.destroy_process_group()
+    if store is None or world == 1:
+        return
+    try:
+        store.add("poise/closed", 1)
+        if rank == 0:
+            deadline = time.monotonic() + EXIT_WAIT_S
+            while store.add("poise/closed", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except (RuntimeError, OSError):  # a peer or the store is gone already: nothing to wait for
+        pass
 
 
 _ON_EXIT: list[Callable[[], None]] = []

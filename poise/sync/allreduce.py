@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, CommHook, instrumented
 from poise.comm.settle import settle_buckets
-from poise.comm.state import CommState, StepStats
+from poise.comm.state import StepStats
 from poise.comm.trial import CodecTrial
 from poise.config import CommConfig
 from poise.runtime.clock import Clock
@@ -60,7 +60,8 @@ class AllReduce:
         hook = instrumented(hook, self.probe)
         for wrap in outer:
             hook = wrap(hook)
-        self.model.register_comm_hook(self.state, hook)
+        self._expected = False  # inside backward(): reductions are the step's
+        self.model.register_comm_hook(self.state, _refuse_outside(hook, lambda: self._expected))
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
 
     def _ddp(self, model: nn.Module, backend: str) -> DistributedDataParallel:
@@ -104,6 +105,13 @@ class AllReduce:
             self._no_sync = self.model.no_sync()
             self._no_sync.__enter__()
 
+    def backward(self, run: Callable[[], None]) -> None:
+        self._expected = True
+        try:
+            run()
+        finally:
+            self._expected = False
+
     def end_step(self, index: int) -> None:
         """Nothing: every step's gradient was reduced in its backward."""
 
@@ -115,7 +123,7 @@ class AllReduce:
 
     def settle(self, forward_backward: Callable[[], None]) -> None:
         """DDP's bucket layout settled before residuals are restored (:mod:`poise.comm.settle`)."""
-        settle_buckets(self.model, self.state, forward_backward)
+        self.backward(lambda: settle_buckets(self.model, self.state, forward_backward))
 
     # -- state -----------------------------------------------------------------------------
 
@@ -132,4 +140,24 @@ class AllReduce:
         self.state.load_shared_state_dict(state)
 
 
-__all__ = ["AllReduce", "CommState", "HookWrapper"]
+def _refuse_outside(hook: CommHook, expected: Callable[[], bool]) -> CommHook:
+    """``hook``, refusing (one-line ValueError, raised out of ``backward()``) a bucket that
+    arrives outside the step's backward: a plain ``loss.backward()`` would reduce an unweighted
+    gradient, untimed, and the optimizer would apply it. DDP then needs a new step; the
+    script needs ``step.backward(loss)``.
+
+    (No annotations on the inner function: DDP compares them with real classes at
+    registration, and this module's are postponed strings.)
+    """
+
+    def step_hook(state, bucket):  # type: ignore[no-untyped-def]
+        if not expected():
+            raise ValueError("a gradient bucket was reduced outside step.backward(loss): call step.backward(loss), "
+                             "not loss.backward(), so the loss is weighted and timed (nothing was applied: stop "
+                             "here and fix the loop)")
+        return hook(state, bucket)
+
+    return step_hook
+
+
+__all__ = ["AllReduce", "HookWrapper"]

@@ -9,7 +9,8 @@ Every way poise synchronizes ranks is an implementation of :class:`Sync`, and th
 3. :meth:`Sync.micro_batch` before each micro-batch's forward: ``last=True`` when the
    backward that follows must reduce the gradient, False when it only accumulates
    (``no_sync``; FSDP2's ``set_requires_gradient_sync``).
-4. The backward itself runs the hooks the constructor registered (codec, collective, probe).
+4. :meth:`Sync.backward` runs the step's backward, and with it the hooks the constructor
+   registered (codec, collective, probe); a reduction outside it is refused.
 5. :meth:`Sync.end_step` after the optimizer step: where an outer step goes (local SGD,
    DiLoCo: no communication for H inner steps, then an all-reduce of parameter deltas and an
    outer optimizer step).
@@ -51,6 +52,11 @@ class Sync(Protocol):
 
     def micro_batch(self, last: bool) -> None:
         """Before a micro-batch's forward: reduce during its backward only when ``last``."""
+
+    def backward(self, run: Callable[[], None]) -> None:
+        """Run a backward of the step (``run``): the only place gradients may be reduced. A
+        reduction outside it (a plain ``loss.backward()``) is refused with one line before the
+        optimizer can apply an unweighted gradient."""
 
     def end_step(self, index: int) -> None:
         """After the optimizer step of step ``index`` (an outer step would run here)."""

@@ -248,10 +248,6 @@ def _misuse(rank: int, world_size: int) -> dict:
     loader = iter(session.dataloader(Sequences(), collate_fn=collate))
     x, y = next(loader)
     step = session.step()
-    token_mean_loss(session.model, x, y).backward()  # not through step.backward
-    catch("plain backward", step.end)
-    x, y = next(loader)
-    step = session.step()
     catch("no backward", step.end)
     x, y = next(loader)
     with session.step() as step:
@@ -259,7 +255,13 @@ def _misuse(rank: int, world_size: int) -> dict:
         catch("twice", lambda: step.backward(token_mean_loss(session.model, x, y)))
     catch("after end", lambda: step.backward(token_mean_loss(session.model, x, y)))
     catch("load", lambda: session.load_state_dict({"epoch": 0}))
-    return errors
+    x, y = next(loader)
+    step = session.step()
+    weights = [p.detach().clone() for p in session.model.parameters()]
+    # not through step.backward: refused as its first bucket is reduced, before any optimizer step
+    catch("plain backward", lambda: token_mean_loss(session.model, x, y).backward())
+    unchanged = all(torch.equal(a, b) for a, b in zip(weights, session.model.parameters(), strict=True))
+    return {**errors, "weights": "unchanged" if unchanged else "changed"}
 
 
 def test_misuse_gets_one_line_naming_what_is_expected():
@@ -271,6 +273,7 @@ def test_misuse_gets_one_line_naming_what_is_expected():
         for key in ("no batch", "foreign loader"):
             assert "give your DataLoader batch_sampler=session.sampler" in errors[key]
         assert "call step.backward(loss), not loss.backward()" in errors["plain backward"]
+        assert errors.pop("weights") == "unchanged"
         assert errors["no backward"].endswith("ended without step.backward(loss): no backward ran")
         assert "called twice" in errors["twice"]
         assert "which has ended" in errors["after end"]

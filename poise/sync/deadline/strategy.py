@@ -58,7 +58,7 @@ class Deadline:
 
     def zero_backward(self) -> None:
         """Join the gradient reduction without a forward pass (see :func:`zero_backward`)."""
-        zero_backward(self.inner.model)
+        self.inner.backward(lambda: zero_backward(self.inner.model))
 
     # -- the call points, as the inner all-reduce's ------------------------------------------
 
@@ -67,6 +67,9 @@ class Deadline:
 
     def micro_batch(self, last: bool) -> None:
         self.inner.micro_batch(last)
+
+    def backward(self, run: Callable[[], None]) -> None:
+        self.inner.backward(run)
 
     def end_step(self, index: int) -> None:
         self.inner.end_step(index)

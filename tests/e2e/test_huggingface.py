@@ -1,0 +1,62 @@
+"""A Hugging Face user's script with poise, end to end: a random-init GPT-2 from ``transformers``
+under Accelerate on 2 gloo processes (``tests/e2e/scripts/hf_accelerate_train.py``).
+
+The mistakes such a user makes are refused before a step trains (the session's loader passed
+through ``accelerator.prepare``, in both loop forms), counted loss terms give the exact
+gradient of HF's shifted, padded loss, and a run with a rank under a CPU quota ends, every
+time, with its outputs written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.e2e
+
+SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "hf_accelerate_train.py"
+TIMEOUT_S = 120
+
+
+def _run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(SCRIPT), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env=env)
+
+
+def test_counted_terms_give_hf_loss_its_exact_gradient(tmp_path):
+    proc = _run(tmp_path, "--check-gradient", "--steps", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worst = float(re.search(r"gradient max relative difference (\S+)", proc.stdout).group(1))
+    assert worst < 1e-4, proc.stdout  # float32 sums in another order; the per-sample default is off by ~1e-2
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["steps"] == 4 and report["world_size"] == 2 and report["balance_strategy"] == "dynamic"
+
+
+@pytest.mark.parametrize("loop", ["steps", "step-context"])
+def test_the_sessions_loader_through_accelerate_prepare_is_refused(tmp_path, loop):
+    proc = _run(tmp_path, "--prepare-loader", "--steps", "2", *(["--step-context"] if loop == "step-context" else []))
+    assert proc.returncode != 0
+    expected = ("it batches with a BatchSamplerShard around it (accelerator.prepare(loader)?)" if loop == "steps"
+                else "the session's DataLoader went through accelerator.prepare")
+    assert expected in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "report.json").exists()  # nothing trained
+
+
+def test_a_rank_under_a_cpu_quota_ends_cleanly_every_time(tmp_path):
+    """Bounded repeats of the case that used to hang at exit; each must end, with its report."""
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        proc = _run(out, "--emulate", "1:0.5", "--steps", "6")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads((out / "report.json").read_text())["steps"] == 6

@@ -21,9 +21,10 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/poise demo --out runs/demo
 
-# the documentation site's tools (the docs extra): the suite builds the site; make demo does not need them
+# what only the suite needs (make demo does not): the documentation site's tools (the docs extra;
+# the suite builds the site) and transformers (the hf extra; a Hugging Face user's script)
 $(VENV)/.docs-installed: $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	$(BIN)/python -m pip install --quiet -e '.[docs,hf]'
 	touch $@
 
 test: venv $(VENV)/.docs-installed

@@ -515,8 +515,7 @@ def test_every_page_has_commands_and_the_readme_starts_with_the_two() -> None:
     found = {c.page for c in all_commands()}
     for page in PAGES:
         rel = str(page.relative_to(ROOT))
-        # a design note, a source map, the architecture page
-        if rel not in ("docs/elastic-scheduling.md", "docs/layout.md", "docs/design.md"):
+        if rel not in ("docs/elastic-scheduling.md", "docs/layout.md"):  # a design note, a source map
             assert rel in found, f"{rel} has no ```bash command"
     readme = [without_comment(c.text) for c in all_commands() if c.page == "README.md"]
     assert readme[:2] == ["make demo", "make test"], readme[:2]

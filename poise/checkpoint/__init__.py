@@ -35,9 +35,9 @@ the rest of an epoch when a job comes back with another number of ranks.
 """
 
 from poise.checkpoint.saver import Checkpointer, SaveRecord, check_fresh_start, find_resume_point, load
-from poise.checkpoint.state import TrainingState, capture, restore
+from poise.checkpoint.state import DoesNotFit, TrainingState, capture, live_problems, restore
 
 __all__ = [
-    "Checkpointer", "SaveRecord", "TrainingState", "capture", "check_fresh_start", "find_resume_point", "load",
-    "restore",
+    "Checkpointer", "DoesNotFit", "SaveRecord", "TrainingState", "capture", "check_fresh_start",
+    "find_resume_point", "live_problems", "load", "restore",
 ]

@@ -144,52 +144,69 @@ def check_directory(root: Path) -> None:
     Raises:
         ValueError: ``root`` (or a parent) is a file, or the directory is not writable.
     """
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"checkpoint directory {str(root)!r} is not a directory: give a directory "
-                         "(--checkpoint-dir) or remove the file")
+    check_writable(root, "checkpoint directory", "--checkpoint-dir")
+
+
+def check_writable(root: Path, what: str, flag: str) -> None:
+    """Create directory ``root`` if missing and check that this process can create files in it
+    (by creating one); ``what`` and ``flag`` name it in the message.
+
+    Raises:
+        ValueError: ``root`` or a parent is a file, or it cannot be created or written (a
+            read-only file system, no permission), in one line.
+    """
+    for parent in [root, *root.parents]:
+        if parent.exists() and not parent.is_dir():
+            where = "" if parent == root else f" (under {str(parent)!r}, a file)"
+            raise ValueError(f"{what} {str(root)!r} is not a directory{where}: give a directory ({flag}) "
+                             "or remove the file")
+        if parent.exists():
+            break
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=root, prefix=".probe-")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise ValueError(f"checkpoint directory {str(root)!r} is not writable: {exc.strerror or exc}") from None
+        raise ValueError(f"{what} {str(root)!r} is not writable: {exc.strerror or exc} ({flag})") from None
 
 
-# Locks this process holds: resolved root -> open fd (flock is per open file, so a second
-# open in the same process would conflict with the first).
-_HELD: dict[Path, int] = {}
+# Locks this process holds: (resolved directory, lock file name) -> open fd (flock is per open
+# file, so a second open in the same process would conflict with the first).
+_HELD: dict[tuple[Path, str], int] = {}
 
 
-def lock(root: Path, wait_s: float = 5.0) -> None:
-    """Hold ``root/.lock`` exclusively until this process ends (or :func:`unlock`).
+def lock(root: Path, wait_s: float = 5.0, *, name: str = LOCK, what: str = "checkpoint directory",
+         flag: str = "--checkpoint-dir / --out", shared: bool = False) -> None:
+    """Hold ``root/name`` exclusively (or ``shared`` with other shared holders, excluding
+    exclusive ones) until this process ends (or :func:`unlock`).
 
     Waits up to ``wait_s`` seconds for it: after a restart, the previous attempt's rank 0 may
     take a moment to be gone. The holder's host and pid are written into the file, for the
-    message another job gets. Opened without following a symlink.
+    message another job gets. Opened without following a symlink. ``what`` and ``flag`` name
+    the directory in that message (``poise train`` locks its ``--out`` too).
 
     Raises:
         ValueError: another process holds it (naming that process), or it cannot be opened.
     """
-    key = root.resolve()
+    key = (root.resolve(), name)
     if key in _HELD:
         return
     try:
-        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise ValueError(f"checkpoint directory {str(root)!r}: cannot open its lock: {exc.strerror or exc}") from None
+        raise ValueError(f"{what} {str(root)!r}: cannot open its lock: {exc.strerror or exc}") from None
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             break
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 raise ValueError(
-                    f"checkpoint directory {str(root)!r} is in use by another job ({holder}): give each job "
-                    "its own --checkpoint-dir / --out"
+                    f"{what} {str(root)!r} is in use by another job ({holder}): give each job its own {flag}"
                 ) from None
             time.sleep(0.1)
     os.ftruncate(fd, 0)
@@ -197,13 +214,37 @@ def lock(root: Path, wait_s: float = 5.0) -> None:
     _HELD[key] = fd
 
 
-def unlock(root: Path) -> None:
+def unlock(root: Path, name: str = LOCK) -> None:
     """Release the lock :func:`lock` took (a no-op when not held)."""
-    fd = _HELD.pop(root.resolve(), None)
+    fd = _HELD.pop((root.resolve(), name), None)
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)
 
+
+def clean_partials(root: Path, keep_token: str | None = None) -> list[str]:
+    """Delete the partial folders of saves that never finished (a full disk, a crash), but for
+    ``keep_token``'s; the caller holds the root's :func:`lock`, so no other writer is using them.
+    A partial folder is never a checkpoint (:mod:`poise.checkpoint.layout`), so nothing good is
+    lost, and a resume on a full disk gets its room back. Returns the names deleted."""
+    if not root.is_dir():
+        return []
+    deleted = [p.name for p in root.iterdir() if p.name.startswith(PARTIAL_PREFIX)
+               and (keep_token is None or not p.name.endswith(keep_token))]
+    for name in deleted:
+        _remove(root / name)
+    if deleted:
+        log.info("removed %d unfinished save(s) in %s: %s", len(deleted), root, ", ".join(deleted[:3]))
+    return deleted
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder, or the symbolic link itself (never what it points to)."""
+    if path.is_symlink():
+        with contextlib.suppress(OSError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def prune(root: Path, keep: int, token: str, written: str, verified: set[str] | None = None) -> list[str]:
@@ -232,8 +273,7 @@ def prune(root: Path, keep: int, token: str, written: str, verified: set[str] | 
         kept |= {path.name, *manifest["bases"]}
         counted += 1
     deleted = [p.name for _, p in list_checkpoints(root) if p.name not in kept]
-    deleted += [p.name for p in root.iterdir() if p.name.startswith(PARTIAL_PREFIX) and not p.name.endswith(token)]
     for name in deleted:
-        shutil.rmtree(root / name, ignore_errors=True)
+        _remove(root / name)
         verified.discard(name)
-    return deleted
+    return deleted + clean_partials(root, keep_token=token)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 from pathlib import Path
@@ -57,6 +58,11 @@ LOCK = ".lock"
 PARTIAL_PREFIX = ".partial-"
 ASIDE_PREFIX = ".aside-"
 OLD_PREFIX = ".old-"
+# Bounds on a manifest read before it is parsed: a crafted one must not exhaust memory or
+# recursion. A manifest lists every tensor (~200 bytes each) and nests 5 levels deep.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_MANIFEST_DEPTH = 16
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 class CorruptCheckpoint(ValueError):
@@ -92,24 +98,75 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete-looking checkpoint directories (final names), newest first: ``(step, path)``."""
+    """Complete-looking checkpoint directories (final names), newest first: ``(step, path)``.
+
+    A symbolic link with a checkpoint's name is listed too (``poise checkpoint list`` shows it),
+    but never verifies (:func:`read_manifest`).
+    """
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := NAME_PATTERN.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := NAME_PATTERN.match(p.name)) and (p.is_dir() or p.is_symlink())]
     return sorted(found, reverse=True)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of checkpoint ``path``, its shape checked (:func:`manifest_problem`).
+def open_nofollow(path: Path) -> Any:
+    """Open a checkpoint's file for reading, refusing a symbolic link (the manifest names files
+    inside the folder; a link would read one outside it, which docs/checkpoints.md calls not good).
 
     Raises:
-        CorruptCheckpoint: it is missing, unreadable, or not shaped like a manifest.
+        CorruptCheckpoint: ``path`` is a symbolic link. OSError: it cannot be opened.
     """
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if path.is_symlink():
+            raise CorruptCheckpoint(f"{path.parent.name}/{path.name} is a symbolic link, not a file of the "
+                                    "checkpoint") from None
+        raise exc from None
+    return os.fdopen(fd, "rb")
+
+
+def json_depth_problem(data: bytes, max_depth: int) -> str:
+    """Why JSON text ``data`` nests deeper than ``max_depth`` arrays/objects ('' when it does not).
+
+    Counted without parsing (strings removed first), so that a crafted file cannot reach the
+    parser's recursion limit.
+    """
+    import numpy as np  # imported here: poise.checkpoint's importers need not load numpy for this
+
+    codes = np.frombuffer(_JSON_STRING.sub(b"", data), dtype=np.uint8)
+    if not codes.size:
+        return ""
+    step = (np.isin(codes, (ord("["), ord("{"))).astype(np.int64)
+            - np.isin(codes, (ord("]"), ord("}"))).astype(np.int64))
+    deepest = int(np.cumsum(step).max())
+    return f"it nests {deepest} levels deep (at most {max_depth})" if deepest > max_depth else ""
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, its size and depth bounded before parsing and its
+    shape checked (:func:`manifest_problem`); neither the folder nor the manifest may be a link.
+
+    Raises:
+        CorruptCheckpoint: it is missing, unreadable, too large or deep, or not shaped like a manifest.
+    """
+    if path.is_symlink():
+        raise CorruptCheckpoint(f"{path.name} is a symbolic link, not a checkpoint folder")
+    try:
+        with open_nofollow(path / MANIFEST) as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpoint(f"{path.name}: {MANIFEST} is larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+        too_deep = json_depth_problem(data, MAX_MANIFEST_DEPTH)
+        if too_deep:
+            raise CorruptCheckpoint(f"{path.name}: {MANIFEST} is malformed: {too_deep}")
+        manifest = json.loads(data)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path.name}: {MANIFEST} is missing (incomplete checkpoint)") from None
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        if isinstance(exc, CorruptCheckpoint):
+            raise
         raise CorruptCheckpoint(f"{path.name}: {MANIFEST} is unreadable ({exc})") from None
     if not isinstance(manifest, dict):
         raise CorruptCheckpoint(f"{path.name}: {MANIFEST} is a JSON {type(manifest).__name__}, not an object")
@@ -177,13 +234,15 @@ def manifest_problem(name: str, manifest: dict[str, Any]) -> str:
 def _verify_files(path: Path, manifest: dict[str, Any]) -> None:
     for name, entry in manifest["files"].items():
         file = path / name
+        if file.is_symlink():
+            raise CorruptCheckpoint(f"{path.name}/{name} is a symbolic link, not a file of the checkpoint")
         if not file.is_file():
             raise CorruptCheckpoint(f"{path.name}/{name} is missing")
         size = file.stat().st_size
         if size != entry["bytes"]:
             raise CorruptCheckpoint(f"{path.name}/{name} has {size} bytes, the manifest says {entry['bytes']}")
         digest = hashlib.sha256()
-        with open(file, "rb") as f:
+        with open_nofollow(file) as f:
             for block in iter(lambda: f.read(1 << 22), b""):
                 digest.update(block)
         if digest.hexdigest() != entry["sha256"]:
@@ -199,6 +258,8 @@ def verify(root: Path, name: str) -> dict[str, Any]:
     manifest = read_manifest(root / name)
     _verify_files(root / name, manifest)
     for base in sorted(set(manifest["bases"]) - {name}):
+        if (root / base).is_symlink():
+            raise CorruptCheckpoint(f"{name} builds on {base}, which is a symbolic link")
         if not (root / base).is_dir():
             raise CorruptCheckpoint(f"{name} builds on {base}, which is missing")
         _verify_files(root / base, read_manifest(root / base))
@@ -216,8 +277,10 @@ def newest_good(root: Path) -> tuple[str, dict[str, Any]] | None:
 
 
 def load_file(path: Path) -> Any:
-    """Read a checkpoint file: tensors and plain containers only (``weights_only``)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Read a checkpoint file: tensors and plain containers only (``weights_only``), never
+    through a symbolic link."""
+    with open_nofollow(path) as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def holders(entry: dict[str, Any]) -> list[str]:
@@ -240,6 +303,9 @@ def load_tensors(root: Path, manifest: dict[str, Any], group: str) -> dict[str, 
     def stored(holder: str, key: str) -> Any:
         if holder not in files:
             files[holder] = load_file(root / holder / f"{group}.pt")
+            if not isinstance(files[holder], dict):
+                raise CorruptCheckpoint(f"{holder}/{group}.pt holds a {type(files[holder]).__name__}, not a "
+                                        "table of tensors")
         if key not in files[holder]:
             raise CorruptCheckpoint(f"{holder}/{group}.pt lacks {key}")
         return files[holder][key]
@@ -247,6 +313,8 @@ def load_tensors(root: Path, manifest: dict[str, Any], group: str) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     for key, entry in table.items():
         tensor = stored(entry["in"], key)
+        if not isinstance(tensor, torch.Tensor):
+            raise CorruptCheckpoint(f"{entry['in']}/{group}.pt: {key} is a {type(tensor).__name__}, not a tensor")
         if tensor_digest(tensor) != entry["sha256"]:
             raise CorruptCheckpoint(f"{entry['in']}/{group}.pt: {key} does not match its hash")
         for delta in entry.get("deltas", ()):

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from poise.checkpoint import directory, layout
-from poise.checkpoint.state import TrainingState, fit_config, fit_problems, param_shapes
+from poise.checkpoint import contents, directory, layout
+from poise.checkpoint.state import DoesNotFit, TrainingState, fit_config, fit_problems, param_shapes
 from poise.comm import codecs
 from poise.config import RunConfig, config_hash
 
@@ -77,7 +77,8 @@ class Checkpointer:
         self.root = Path(config.checkpoint_dir)
         self.rank, self.world_size, self.store, self.attempt = rank, world_size, store, attempt
         self.timeout_s = config.dist.timeout_s
-        self.fit = {"config": fit_config(config), "config_hash": config_hash(config), "params": param_shapes(model)}
+        self.fit = {"config": fit_config(config), "config_hash": config_hash(config), "params": param_shapes(model),
+                    "dtypes": {k: str(v.dtype) for k, v in model.state_dict().items()}}
         self.records: list[SaveRecord] = []
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -101,6 +102,7 @@ class Checkpointer:
             # the run now instead of at its first save
             directory.check_directory(self.root)
             directory.lock(self.root)
+            directory.clean_partials(self.root)  # an earlier attempt's unfinished saves: room on a full disk
             self._token = layout.new_token()
             if store is not None:
                 store.set(_TOKEN_KEY, self._token)
@@ -151,9 +153,19 @@ class Checkpointer:
             self._error = exc
 
     def _write(self, snapshot: TrainingState, *, stall_s: float = 0.0, stall_start: float | None = None) -> None:
-        begin = time.perf_counter()
         step = int(snapshot.per_rank["step"])  # every rank's part carries it: the ranks meet under it
         partial = self.root / layout.partial_name(step, self.token())
+        try:
+            self._write_into(partial, snapshot, stall_s=stall_s, stall_start=stall_start)
+        except BaseException:
+            if self.rank == 0:  # a failed save leaves no partial folder behind to fill the disk
+                directory.clean_partials(self.root)
+            raise
+
+    def _write_into(self, partial: Path, snapshot: TrainingState, *, stall_s: float,
+                    stall_start: float | None) -> None:
+        begin = time.perf_counter()
+        step = int(snapshot.per_rank["step"])
         try:
             partial.mkdir(exist_ok=True)  # never recreates a checkpoint directory that was removed
         except FileNotFoundError:
@@ -267,19 +279,27 @@ def check_fresh_start(config: RunConfig) -> None:
         )
 
 
-def find_resume_point(config: RunConfig, *, required: bool) -> tuple[str, dict[str, Any]] | None:
-    """The newest good checkpoint in the run's directory (run on rank 0 only); the newer ones,
-    which do not verify, are renamed aside (:func:`poise.checkpoint.directory.set_aside`).
+def find_resume_point(config: RunConfig, *, required: bool,
+                      below: int | None = None) -> tuple[str, dict[str, Any]] | None:
+    """The newest good checkpoint in the run's directory (of a step before ``below``, when given;
+    run on rank 0 only): one that verifies and loads (:func:`~poise.checkpoint.contents.newest_loadable`).
+    The newer ones, which do not, are renamed aside (:func:`poise.checkpoint.directory.set_aside`).
+
+    The directory's lock is taken first, so that a second job on it changes nothing (it gets
+    the lock's one-line error); unfinished saves' partial folders are removed.
 
     Raises:
-        ValueError: when ``required`` and the directory is missing or holds no good checkpoint.
+        ValueError: when ``required`` and the directory is missing or holds no good checkpoint,
+            or when another job holds the directory.
     """
     root = Path(config.checkpoint_dir)
     if required and not root.is_dir():
         raise ValueError(f"checkpoint.resume is set but the checkpoint directory {str(root)!r} does not exist")
     if root.is_dir():
+        directory.lock(root)
+        directory.clean_partials(root)
         directory.recover(root)
-    found = layout.newest_good(root)
+    found = contents.newest_loadable(root, below)
     if found is None and required:
         raise ValueError(f"checkpoint.resume is set but {str(root)!r} holds no complete, intact checkpoint")
     if root.is_dir():
@@ -293,12 +313,13 @@ def load(config: RunConfig, name: str, manifest: dict[str, Any], *, rank: int, w
     """Read checkpoint ``name`` for this rank, after checking that it fits the run.
 
     Raises:
-        ValueError: one line naming what does not fit (config settings, parameter names or shapes).
+        DoesNotFit: one line naming what does not fit (config settings, parameter names or shapes).
+        CorruptCheckpoint, or whatever a damaged file makes loading raise.
     """
     root = Path(config.checkpoint_dir)
     problems = fit_problems(manifest, config, model)
     if problems:
-        raise ValueError(
+        raise DoesNotFit(
             f"checkpoint {root / name} does not fit this run: {'; '.join(problems[:3])}"
             f"{f' (+{len(problems) - 3} more)' if len(problems) > 3 else ''} "
             f"[config hash {manifest['config_hash'][:12]} in the checkpoint, {config_hash(config)[:12]} now]"

@@ -91,6 +91,11 @@ def config_problems(saved: dict[str, Any], config: RunConfig) -> list[str]:
             for key in sorted(set(now) | set(then)) if now.get(key) != then.get(key)]
 
 
+class DoesNotFit(ValueError):
+    """A checkpoint that is intact but was written by another run (config or model): the user's
+    error, named in one line; an older checkpoint of the same directory would not fit either."""
+
+
 def fit_problems(saved: dict[str, Any], config: RunConfig, model: nn.Module) -> list[str]:
     """Why a checkpoint's manifest does not fit this run (empty when it fits)."""
     problems = config_problems(saved, config)
@@ -105,6 +110,104 @@ def fit_problems(saved: dict[str, Any], config: RunConfig, model: nn.Module) -> 
         if shapes[name] != saved["params"][name]:
             then_shape = saved["params"][name]
             problems.append(f"parameter {name} has shape {then_shape} in the checkpoint but {shapes[name]} now")
+    return problems
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def shared_problem(shared: Any, step: int, world_size: int) -> str:
+    """What is wrong with the structure of a checkpoint's ``state.pt`` for a manifest of
+    ``step`` and ``world_size`` ('' when nothing): what :func:`restore` reads must be there, of
+    the type it reads it as. A file that matches its checksum can still hold anything."""
+    if not isinstance(shared, dict):
+        return f"it holds a {type(shared).__name__}, not a table"
+    kinds = {"step": int, "world_size": int, "scheduler": dict, "optim_groups": list, "optim_scalars": dict,
+             "session": dict}
+    for key, kind in kinds.items():
+        value = shared.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{key} is {type(value).__name__}, not {kind.__name__}"
+    if shared["step"] != step or shared["world_size"] != world_size:
+        return (f"step {shared['step']} and world_size {shared['world_size']} are not the manifest's "
+                f"{step} and {world_size}")
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in shared["optim_groups"]):
+        return "optim_groups is not a list of parameter groups"
+    if not all(isinstance(k, str) and k.split("/", 1)[0].isdigit() and "/" in k for k in shared["optim_scalars"]):
+        return "optim_scalars has a key that is not <parameter index>/<name>"
+    if not isinstance(shared.get("in_window", False), bool):
+        return "in_window is not true or false"
+    return ""
+
+
+def rank_problem(per_rank: Any, step: int) -> str:
+    """What is wrong with the structure of a checkpoint's per-rank file for ``step`` ('' when
+    nothing): its step, RNG states, session part and accumulated gradients."""
+    if not isinstance(per_rank, dict):
+        return f"it holds a {type(per_rank).__name__}, not a table"
+    if not _is_int(per_rank.get("step")) or per_rank["step"] != step:
+        return f"step {per_rank.get('step')!r} is not the manifest's {step}"
+    rng = per_rank.get("rng")
+    if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor) \
+            or rng["torch"].dtype != torch.uint8 or rng["torch"].dim() != 1:
+        return "rng.torch is not a generator state (a 1-d uint8 tensor)"
+    numpy_state, python_state = rng.get("numpy"), rng.get("python")
+    if not isinstance(numpy_state, (list, tuple)) or len(numpy_state) != 5 \
+            or not isinstance(numpy_state[1], torch.Tensor):
+        return "rng.numpy is not a numpy generator state"
+    if not isinstance(python_state, (list, tuple)) or len(python_state) != 3:
+        return "rng.python is not a python generator state"
+    session = per_rank.get("session")
+    if not isinstance(session, dict) or not set(RANK_KEYS) <= set(session):
+        return f"session lacks one of {', '.join(RANK_KEYS)}"
+    grads = per_rank.get("grads")
+    if grads is not None and (not isinstance(grads, dict)
+                              or not all(isinstance(g, torch.Tensor) for g in grads.values())):
+        return "grads is not a table of tensors"
+    return ""
+
+
+def tensor_problems(tensors: dict[str, Any], params: dict[str, list[int]], dtypes: dict[str, str] | None) -> list[str]:
+    """Where a checkpoint's model tensors differ from what its manifest records of the model
+    (``params``: name -> shape; ``dtypes``: name -> dtype, in checkpoints that record them)."""
+    model = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    problems = [f"model tensors {sorted(set(model) ^ set(params))[:3]} are in one of the files and the "
+                "manifest's parameters only"] if set(model) != set(params) else []
+    for name in sorted(set(model) & set(params)):
+        if list(model[name].shape) != params[name]:
+            problems.append(f"model/{name} has shape {list(model[name].shape)}, the manifest says {params[name]}")
+        elif dtypes is not None and str(model[name].dtype) != dtypes.get(name):
+            problems.append(f"model/{name} is {model[name].dtype}, the manifest says {dtypes.get(name)}")
+    for key in tensors:
+        if not key.startswith("model/") and not (key.startswith("optim/") and key.split("/")[1].isdigit()
+                                                  and key.count("/") >= 2):
+            problems.append(f"tensor {key!r} is neither model/<name> nor optim/<index>/<name>")
+    return problems
+
+
+def live_problems(state: TrainingState, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Where a loaded state does not fit the live model and optimizer it is about to go into
+    (names, shapes, dtypes, parameter indices): checked before :func:`restore` changes anything,
+    so that a checkpoint that cannot be restored is passed over whole."""
+    live = model.state_dict()
+    params = {k: list(v.shape) for k, v in live.items()}
+    problems = tensor_problems(state.tensors, params, {k: str(v.dtype) for k, v in live.items()})
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    for key, value in state.tensors.items():
+        if key.startswith("optim/"):
+            index = int(key.split("/")[1])
+            if index >= len(flat):
+                problems.append(f"{key}: the optimizer has {len(flat)} parameters")
+            elif value.dim() > 0 and value.shape != flat[index].shape:
+                problems.append(f"{key} has shape {list(value.shape)}, its parameter {list(flat[index].shape)}")
+    groups = state.shared["optim_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        problems.append("the optimizer's parameter groups differ from the checkpoint's")
+    named = dict(model.named_parameters())
+    for name, grad in (state.grads or {}).items():
+        if name not in named or grad.shape != named[name].shape:
+            problems.append(f"accumulated gradient {name} does not fit the model's parameter")
     return problems
 
 

@@ -3,7 +3,8 @@ directory holds and whether it can be resumed from, without starting a job.
 
 ``list`` shows every checkpoint folder, newest first: its step, kind (full, or differential and
 the full base it builds on), the bytes of its files on disk, and whether it verifies (every
-file of it and of its bases matches the manifest's size and sha256). ``verify`` exits 0 when
+file of it and of its bases matches the manifest's size and sha256, none is a symbolic link,
+and every file loads as a resume loads it: :func:`poise.checkpoint.contents.verify_loadable`). ``verify`` exits 0 when
 the newest checkpoint verifies, 1 (with the reason, one line) when it does not, so that a
 script can check a directory before it resumes from it.
 """
@@ -42,19 +43,20 @@ def describe(root: Path) -> list[dict[str, Any]]:
     """One row per checkpoint folder, newest first: ``step``, ``name``, ``kind``, ``base`` (the
     oldest full checkpoint a differential builds on, else None), ``bytes`` (its files on
     disk), ``verified`` and ``error`` (why it does not verify, else '')."""
-    from poise.checkpoint import layout  # torch is imported only when a command runs
+    from poise.checkpoint import contents, layout  # torch is imported only when a command runs
 
     rows = []
     for step, path in layout.list_checkpoints(root):
+        files = [] if path.is_symlink() else list(path.iterdir())
         row: dict[str, Any] = {"step": step, "name": path.name, "kind": None, "base": None,
-                               "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+                               "bytes": sum(f.lstat().st_size for f in files if not f.is_symlink() and f.is_file()),
                                "verified": False, "error": ""}
         try:
             manifest = layout.read_manifest(path)
             row["kind"] = manifest["kind"]
             bases = sorted(set(manifest["bases"]) - {path.name})
             row["base"] = bases[0] if bases else None
-            layout.verify(root, path.name)
+            contents.verify_loadable(root, path.name)
             row["verified"] = True
         except layout.CorruptCheckpoint as exc:
             row["error"] = str(exc)
@@ -80,7 +82,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from poise.checkpoint import layout
+    from poise.checkpoint import contents, layout
 
     root = _root(args.dir)
     found = layout.list_checkpoints(root)
@@ -89,7 +91,7 @@ def run_verify(args: argparse.Namespace) -> int:
         return 1
     name = found[0][1].name
     try:
-        layout.verify(root, name)
+        contents.verify_loadable(root, name)
     except layout.CorruptCheckpoint as exc:
         sys.stderr.write(f"poise checkpoint verify: newest checkpoint {name} does not verify: {exc}\n")
         return 1

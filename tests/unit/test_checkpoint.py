@@ -15,7 +15,7 @@ from torch import nn
 from poise import config as cfg
 from poise.checkpoint import directory, layout
 from poise.checkpoint.saver import Checkpointer, composed_grads, find_resume_point, load
-from poise.checkpoint.state import TrainingState, fit_problems
+from poise.checkpoint.state import TrainingState, fit_problems, rng_state
 
 
 def _model() -> nn.Module:
@@ -29,8 +29,13 @@ def _config(root: Path, **checkpoint) -> cfg.RunConfig:
 
 
 def _state(model: nn.Module, step: int) -> TrainingState:
+    """A state of the structure a worker's has (what verification checks), with no optimizer."""
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
-    return TrainingState(tensors, {"step": step, "note": [1, 2.5, "x"]}, {"step": step, "rng": torch.get_rng_state()})
+    shared = {"step": step, "world_size": 1, "scheduler": {}, "optim_groups": [], "optim_scalars": {},
+              "session": {}, "in_window": False, "note": [1, 2.5, "x"]}
+    per_rank = {"step": step, "rng": rng_state(), "session": {"rank": 0, "window": None, "comm": None},
+                "grads": None}
+    return TrainingState(tensors, shared, per_rank)
 
 
 def _train_last_layer(model: nn.Module, step: int) -> None:

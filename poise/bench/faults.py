@@ -68,6 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the jobs' dist.timeout_s: how soon a stopped peer is noticed, seconds")
     parser.add_argument("--run-timeout-s", type=float, default=240.0, help="limit per job; past it: hung")
     parser.add_argument("--out", default="", help="output directory (default runs/bench-faults-<timestamp>)")
+    parser.add_argument("--minutes", type=float, default=0.0,
+                        help="soak instead: one job for this many minutes with faults drawn at --fault-every-s "
+                             "(kinds kill, stop), against the fault-free job (poise.bench.soak)")
+    parser.add_argument("--fault-every-s", type=float, default=60.0,
+                        help="soak: mean seconds between faults (a Poisson process drawn from --seed)")
+    parser.add_argument("--reference-minutes", type=float, default=0.0,
+                        help="soak: minutes of the fault-free reference (default: min(--minutes, 3))")
+    parser.add_argument("--hang-s", type=float, default=120.0,
+                        help="soak: a job without a step for this many seconds is a hang (ended and resumed)")
 
 
 def _job_flags(args: argparse.Namespace, out: Path) -> list[str]:
@@ -291,19 +300,37 @@ def error_line(log_path: Path) -> str:
     return lines[-1] if lines else ""
 
 
+def job_namespaces(job_pid: int, node: int, namespaces: list[str]) -> list[str]:
+    """Of ``namespaces``, node ``node``'s of the cluster that the ``poise train`` process
+    ``job_pid`` brought up for itself (``job<pid>_<token>``, :mod:`poise.launch.cluster_job`):
+    never another job's or another bench's."""
+    from poise.cluster.net import NS_PREFIX
+
+    prefix, suffix = f"{NS_PREFIX}job{job_pid}_", f"-n{node}"
+    return [ns for ns in namespaces if ns.startswith(prefix) and ns.endswith(suffix)
+            and ns[len(prefix):-len(suffix)].isalnum()]
+
+
 def _kill_node(job: Job, node: int) -> None:
-    """SIGKILL every process in the emulated node's namespace (its agent and workers): a lost machine."""
+    """SIGKILL every process in the namespace of node ``node`` of the cluster ``job`` brought up
+    (its agent and workers): a lost machine."""
     from poise.cluster import net
 
-    for ns in net.list_namespaces():
-        if ns.startswith("poise-job") and ns.endswith(f"-n{node}"):
-            for pid in net.namespace_pids(ns):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+    for ns in job_namespaces(job.proc.pid, node, net.list_namespaces()):
+        for pid in net.namespace_pids(ns):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def run(args: argparse.Namespace) -> int:
     require_positive(args, "runs", "timeout_s_collective", "run_timeout_s")
+    if args.minutes < 0 or args.minutes != args.minutes:
+        raise ValueError(f"--minutes={args.minutes} must be positive (or 0: no soak)")
+    if args.minutes > 0:
+        from poise.bench import soak
+
+        given = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        return soak.run(args, list(soak.SOAK_KINDS) if args.kinds == ",".join(KINDS) else given)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:

@@ -5,6 +5,12 @@ Launching is :func:`poise.launch.job.launch_job`: torch's elastic launcher on th
 cluster (:mod:`poise.launch.cluster_job`). Every worker runs :mod:`poise.train.worker` on the
 resolved ``config.toml``. When a worker fails, the launcher stops the others and we exit
 non-zero naming the failed rank and its error.
+
+A job owns its output directory: before anything is written there, the command takes the
+directory's lock (:data:`JOB_LOCK`, held until it exits), so a second job on the same ``--out``
+gets one line and exit 2 instead of replacing the first one's ``config.toml`` under its
+workers; and the workers check that the file they read is the config this job resolved (its
+hash is handed to them, :data:`poise.launch.job.CONFIG_HASH_ENV`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ log = logging.getLogger(__name__)
 # sibling node of the same multi-node job wrote there a moment earlier, and logs whoever started
 # the job keeps beside it (``poise bench`` writes ``train.log`` there); poise writes no ``*.log``.
 _SHARED_OUTPUTS = {"config.toml"}
+# The output directory's lock, held by the job's ``poise`` command while it runs: exclusively by
+# a one-machine job; shared by the nodes of a multi-node job, whose commands all write the same
+# directory (a one-machine job and a multi-node one exclude each other; two multi-node jobs are
+# told apart by the config hash their workers check, and their rank 0s by the checkpoint lock).
+JOB_LOCK = ".poise-job.lock"
 
 
 def add_parser(sub: Any) -> None:
@@ -47,15 +58,32 @@ def default_out_dir() -> str:
     """A new ``runs/<timestamp>`` under the current directory, created here so that runs started
     in the same second get distinct ones (``-2``, ``-3``... appended)."""
     base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 10_000):
-        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        return str(candidate)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                candidate.mkdir()
+            except FileExistsError:
+                continue
+            return str(candidate)
+    except OSError as exc:
+        raise ValueError(f"cannot create an output directory under {str(base.parent.resolve())!r}: "
+                         f"{exc.strerror or exc}: give --out") from None
     raise ValueError(f"no free output directory next to {str(base)!r}: give --out")
+
+
+def own_out_dir(out_dir: Path, dist: cfg.DistConfig) -> None:
+    """Make ``out_dir`` (creating it) this job's: writable, and locked until this process exits.
+
+    Raises:
+        ValueError: it is a file or under one, cannot be created or written, or another job holds it.
+    """
+    from poise.checkpoint.directory import check_writable, lock
+
+    check_writable(out_dir, "output directory", "--out")
+    multi_node = dist.nnodes != "1" or bool(dist.rdzv_endpoint)
+    lock(out_dir, wait_s=0.0, name=JOB_LOCK, what="output directory", flag="--out", shared=multi_node)
 
 
 def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
@@ -69,6 +97,7 @@ def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         return
     found = sorted(p.name for p in out_dir.iterdir()
                    if p.name not in _SHARED_OUTPUTS and not (p.suffix == ".log" and p.is_file())
+                   and p.name != JOB_LOCK
                    # a sibling node writing its config.toml this instant (poise.files' temporary name)
                    and not any(p.name.startswith(f".{name}.") and p.name.endswith(".tmp") for name in _SHARED_OUTPUTS)
                    # a sibling node's empty checkpoint directory (with at most its lock): nothing to overwrite
@@ -87,11 +116,12 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
             # An existing cluster's shape and link fill in what the file and flags leave open.
             config = resolve(args, cluster_job.cluster_defaults(config.cluster.name))
         cluster_job.check_job(config)  # before anything is written
+    # Absolute, so workers started from another directory (or node) write to the same place.
+    out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
+    own_out_dir(Path(out_dir), config.dist)  # before anything is written or read there
     if config.out_dir:
         overwrite = getattr(args, "overwrite", False)
         check_out_dir(Path(config.out_dir), resume=config.checkpoint.resume, overwrite=overwrite)
-    # Absolute, so workers started from another directory (or node) write to the same place.
-    out_dir = str(Path(config.out_dir or default_out_dir()).resolve())
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
     if config.checkpoint.resume:
         check_resumable(config)
@@ -106,7 +136,10 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
     if config.dist.max_restarts and not config.checkpoint.every_steps:
         log.warning("dist.max_restarts=%d without --checkpoint-every: a restarted job starts over from step 0",
                     config.dist.max_restarts)
-    config_path = cfg.save(config, Path(config.out_dir) / "config.toml")
+    try:
+        config_path = cfg.save(config, Path(config.out_dir) / "config.toml")
+    except OSError as exc:
+        raise ValueError(f"cannot write {str(Path(config.out_dir) / 'config.toml')!r}: {exc.strerror or exc}") from None
     log.info("resolved config written to %s", config_path)
     return config, config_path.resolve()
 

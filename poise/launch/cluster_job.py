@@ -98,17 +98,23 @@ def run_on_cluster(config: RunConfig, config_path: Path | None, *, module: str, 
     """
     check_job(config)
     spec = config.cluster
-    if spec.name:
+    try:
+        if spec.name:
+            with _terminate_as_interrupt():
+                return _run_agents(_existing(spec.name), config, config_path, module, command, module_args)
+        name = f"job{os.getpid()}_{secrets.token_hex(2)}"
         with _terminate_as_interrupt():
-            return _run_agents(_existing(spec.name), config, config_path, module, command, module_args)
-    name = f"job{os.getpid()}_{secrets.token_hex(2)}"
-    with _terminate_as_interrupt():
-        try:
-            state = topology.up(name, spec.nodes, config.dist.nproc, spec.link_rate_bit_per_s, spec.delay_s,
-                                owned_by_this_process=True)
-            return _run_agents(state, config, config_path, module, command, module_args)
-        finally:
-            topology.down(name)
+            try:
+                state = topology.up(name, spec.nodes, config.dist.nproc, spec.link_rate_bit_per_s, spec.delay_s,
+                                    owned_by_this_process=True)
+                return _run_agents(state, config, config_path, module, command, module_args)
+            finally:
+                topology.down(name)
+    except KeyboardInterrupt as exc:  # the agents are stopped and the cluster is down by now
+        sig = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+        sys.stderr.write(f"poise {command}: stopped by {sig.name}{' (Ctrl-C)' if sig == signal.SIGINT else ''}; "
+                         "the workers are stopped\n")
+        return 128 + int(sig)
 
 
 def node_dist(state: ClusterState, base: DistConfig, node: int, rdzv_id: str) -> DistConfig:
@@ -261,6 +267,10 @@ class _Agent:
         self._log.close()
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as an interrupt so that the same cleanup runs (exit code 143, not 130)."""
+
+
 @contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """Turn SIGTERM into KeyboardInterrupt meanwhile, so a terminated job still cleans up."""
@@ -269,7 +279,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        raise _Terminated
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

@@ -17,6 +17,9 @@ see the README on trusted networks and binding one interface (``--dist.socket_if
 ``--dist.local_addr``). Every worker runs :data:`WORKER_MODULE` on the
 resolved ``config.toml`` unless told otherwise. When a worker fails, the launcher stops the
 others and we return 1 after naming the rank whose failure caused the others, and its error.
+A worker whose process is stopped is ended by :mod:`poise.launch.watchdog` after a few
+seconds, and named as having stopped responding. Ctrl-C or SIGTERM stops the workers (torch's
+agent passes the signal on) and returns 130 or 143 after one line.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ WORKER_MODULE = "poise.train.worker"
 LOOPBACK = "127.0.0.1"
 # seconds the agent may take to reach the rendezvous store (torch's own default for c10d)
 _RDZV_READ_TIMEOUT_S = 60
+# a worker stopped this long (at most half the collective timeout) is ended by the watchdog
+STOPPED_GRACE_S = 5.0
+# a collective that timed out, as gloo words it ("Timed out waiting 8000ms for recv operation")
+# and c10d's store ("... timeout ..."): the rank waited for a peer
+TIMED_OUT = re.compile(r"timed out waiting (\d+)\s*ms for (\w+)|timed out|timeout", re.IGNORECASE)
 
 
 def launcher_args(dist: DistConfig, config_path: Path | None, module: str = WORKER_MODULE,
@@ -85,9 +93,12 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
     ``module_args`` replace ``--config config_path`` (see :func:`launcher_args`).
     """
     # torch is imported only when a job starts, not for ``poise --help``
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as elastic_run
+
+    from poise.launch.watchdog import StoppedWorkerWatchdog
 
     # torchrun would force 1 thread per worker and warn; the worker sets its own count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -97,18 +108,74 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = dist.socket_ifname or "lo"
     if one_machine:
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # no second store on every interface
+    watchdog = StoppedWorkerWatchdog(module, grace_s=min(STOPPED_GRACE_S, dist.timeout_s / 2))
     try:
-        with loopback_rendezvous() if one_machine else _no_store() as port:
+        with loopback_rendezvous() if one_machine else _no_store() as port, watchdog:
             argv = launcher_args(dist, config_path, module, module_args, loopback_port=port)
             log.info("launching: torchrun %s", " ".join(argv))
             elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
-        rank, failure = root_failure(exc)
-        sys.stderr.write(
-            f"poise {command}: rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}\n"
-        )
+        sys.stderr.write(f"poise {command}: {failure_line(exc, watchdog.ended)}\n")
         return 1
+    except SignalException as exc:  # torch's agent turned SIGINT/SIGTERM into this, after stopping the workers
+        name = signal.Signals(exc.sigval).name
+        sys.stderr.write(f"poise {command}: stopped by {name}{' (Ctrl-C)' if exc.sigval == signal.SIGINT else ''}; "
+                         "the workers are stopped\n")
+        return 128 + int(exc.sigval)
+    finally:
+        _restore_signal_handlers()
     return 0
+
+
+def _restore_signal_handlers() -> None:
+    """Put back Python's own handlers where torch's agent installed its (which raise
+    SignalException), so that a second Ctrl-C while the command ends is an ordinary interrupt."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def failure_line(exc: Any, stopped: Sequence[Any] = ()) -> str:
+    """What to tell the user about a failed attempt (after ``poise COMMAND: ``): the rank whose
+    failure caused the others, and how.
+
+    ``stopped``: the workers :mod:`poise.launch.watchdog` ended (the newest last): one of the
+    failed ranks was stopped, not killed. A rank whose collective timed out before any rank was
+    SIGKILLed waited for a peer that stopped responding (the SIGKILL was the agent's shutdown).
+    """
+    failed = dict(exc.failures)
+    pids = {failure.pid for failure in failed.values()}
+    ended = [w for w in stopped if w.pid in pids]
+    if ended:
+        worker = ended[-1]
+        return (f"rank {worker.rank} stopped responding: its process was stopped (SIGSTOP?) for "
+                f"{worker.stopped_s:.0f} s while its peers waited in their collectives; the launcher's "
+                "watchdog ended it")
+    waited = timed_out_first(exc)
+    if waited is not None:
+        who, what = waited
+        match = TIMED_OUT.search(str(what.message))
+        how = f" after {int(match.group(1)) / 1000:g} s in a {match.group(2)}" if match and match.group(1) else ""
+        killed = [r for r, f in failed.items() if f.exitcode == -signal.SIGKILL]
+        return (f"rank {who} timed out{how} waiting for its peers: rank(s) {killed or '?'} stopped responding "
+                f"(ended by the launcher afterwards): {_error_line(what.message)}")
+    rank, failure = root_failure(exc)
+    return f"rank {rank} failed (exit code {failure.exitcode}): {_error_line(failure.message)}"
+
+
+def timed_out_first(exc: Any) -> tuple[int, Any] | None:
+    """The rank whose collective timed out, when that came before every SIGKILL among the
+    failures (a peer stopped responding and was killed later, by the agent); else None."""
+    timed_out = [(r, f) for r, f in exc.failures.items() if TIMED_OUT.search(str(f.message))]
+    if not timed_out:
+        return None
+    first = min(timed_out, key=lambda item: item[1].timestamp)
+    killed = [f.timestamp for f in exc.failures.values() if f.exitcode == -signal.SIGKILL]
+    return first if killed and min(killed) > first[1].timestamp else None
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -28,9 +29,15 @@ def run_config_job(argv: list[str] | None, prog: str, command: str,
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--config", required=True, help=f"resolved config written by 'poise {command}'")
     args = parser.parse_args(argv)
+    end_quietly_on_signals()
     config = config_mod.load(args.config)
     if not config.out_dir:
         raise ValueError(f"{args.config}: out_dir is empty: the worker needs to know where to write")
+    # poise.launch.job.CONFIG_HASH_ENV (not imported: a worker needs none of the launcher's code)
+    expected = os.environ.get("POISE_CONFIG_HASH")
+    if expected and config_mod.config_hash(config) != expected:
+        raise ValueError(f"{args.config} is not the config 'poise {command}' resolved for this job: it was "
+                         "replaced after the job started (another job on the same --out?)")
     setup_logging(int(os.environ.get("RANK", "0")))
     ctx = rdist.init_from_env(config.dist)
     try:
@@ -41,6 +48,23 @@ def run_config_job(argv: list[str] | None, prog: str, command: str,
         raise
     rdist.close(synchronize=True)
     return 0
+
+
+def end_quietly_on_signals() -> None:
+    """End this worker by SIGINT or SIGTERM as the signal's default would, without a traceback.
+
+    torch's agent passes the launcher's Ctrl-C or SIGTERM on to every worker (and SIGTERMs the
+    others when one fails): the command prints one line for the whole job, and every worker's
+    KeyboardInterrupt traceback would bury it. Nothing is lost: writes are atomic, a half-written
+    checkpoint is a partial folder that the next job removes, and the command removes emulation
+    cgroups of workers that are gone.
+    """
+    def end(signum: int, frame: Any) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, end)
 
 
 def leave(code: int) -> None:

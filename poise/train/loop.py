@@ -155,8 +155,10 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
 # -- before the loop --------------------------------------------------------------------------
 
 
-def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int) -> tuple[str, dict] | None:
-    """The checkpoint to start from, agreed by all ranks (rank 0 looks, verifies and tells).
+def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int,
+                 below: int | None = None) -> tuple[str, dict] | None:
+    """The checkpoint to start from (of a step before ``below``, when given), agreed by all
+    ranks (rank 0 looks, verifies and tells).
 
     ``--resume`` asks for one (its absence is an error); after the launcher restarted the
     workers, a job that saves checkpoints resumes from its newest good one, if any.
@@ -168,7 +170,7 @@ def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int) -> tup
     if ctx.is_main:
         try:
             if cc.resume or attempt > 0:
-                answer[0] = checkpoint.find_resume_point(config, required=cc.resume and attempt == 0)
+                answer[0] = checkpoint.find_resume_point(config, required=cc.resume and attempt == 0, below=below)
             else:
                 checkpoint.check_fresh_start(config)
         except ValueError as exc:
@@ -181,19 +183,56 @@ def resume_point(config: RunConfig, ctx: rdist.DistContext, attempt: int) -> tup
 
 def resume(job: Job) -> tuple[int, str | None]:
     """Restore the model, optimizer, schedule and session from :func:`resume_point`'s checkpoint;
-    the micro-batch steps it had done and its path (0 and None when starting fresh)."""
-    found = resume_point(job.config, job.ctx, job.attempt)
-    if found is None:
-        return 0, None
-    resumed_from, manifest = found
+    the micro-batch steps it had done and its path (0 and None when starting fresh).
+
+    A checkpoint that verifies may still fail to load or to go into the live objects on some
+    rank (its own file damaged, a state that does not fit the model): then every rank passes
+    it over for the previous good one, as for a checkpoint that does not verify. A checkpoint
+    of another run (:class:`~poise.checkpoint.DoesNotFit`) is the user's error and stops the job.
+
+    Raises:
+        ValueError: the checkpoint does not fit this run, or none can be loaded although one
+            was asked for (``--resume``) or the live state was already changed by a failed one.
+    """
     module = job.session.model.module
-    job.session.settle_buckets(lambda: throwaway_step(job))
-    state = checkpoint.load(job.config, resumed_from, manifest, rank=job.ctx.rank, world_size=job.ctx.world_size,
-                            model=module)
-    checkpoint.restore(state, model=module, optimizer=job.optimizer, scheduler=job.scheduler, session=job.session)
-    start_step = int(state.shared["step"])
-    log.info("resumed from %s at step %d (launcher attempt %d)", resumed_from, start_step, job.attempt)
-    return start_step, resumed_from
+    below: int | None = None
+    touched, failure = False, ""
+    while True:
+        found = resume_point(job.config, job.ctx, job.attempt, below)
+        if found is None:
+            if failure and touched:
+                raise ValueError(f"no checkpoint in {job.config.checkpoint_dir} can be restored: {failure}")
+            return 0, None
+        resumed_from, manifest = found
+        if below is None:
+            job.session.settle_buckets(lambda: throwaway_step(job))
+        error = ""
+        try:
+            state = checkpoint.load(job.config, resumed_from, manifest, rank=job.ctx.rank,
+                                    world_size=job.ctx.world_size, model=module)
+            problems = checkpoint.live_problems(state, module, job.optimizer)
+            if problems:
+                raise ValueError(f"it does not fit the live model: {'; '.join(problems[:2])}")
+            touched = True
+            checkpoint.restore(state, model=module, optimizer=job.optimizer, scheduler=job.scheduler,
+                               session=job.session)
+        except checkpoint.DoesNotFit:
+            raise
+        except Exception as exc:  # any load failure: fall back to the previous good checkpoint
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+        outcomes: list[tuple[str, bool]] = [("", False)] * job.ctx.world_size
+        dist.all_gather_object(outcomes, (error, touched))
+        bad = [(r, e) for r, (e, _) in enumerate(outcomes) if e]
+        if not bad:
+            start_step = int(state.shared["step"])
+            log.info("resumed from %s at step %d (launcher attempt %d)", resumed_from, start_step, job.attempt)
+            return start_step, resumed_from
+        touched = any(t for _, t in outcomes)
+        failure = f"rank {bad[0][0]}: {bad[0][1]}"
+        if job.ctx.is_main:
+            log.warning("checkpoint %s verifies but cannot be restored (%s); trying the previous one",
+                        resumed_from, failure)
+        below = int(manifest["step"])
 
 
 def throwaway_step(job: Job) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poise.checkpoint import layout
+from poise.checkpoint import directory, layout
 from poise.train.samples import read_samples
 from tests.conftest import ROOT, run_poise
 
@@ -82,6 +82,31 @@ def test_resume_skips_a_corrupt_newest_checkpoint(uninterrupted, tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["resumed_from"] == "step-00000036"
     assert report["first_step"] == 36 and report["steps"] == 66 - 36
+
+
+def test_resume_falls_back_when_a_checkpoint_that_verifies_cannot_be_restored(uninterrupted, tmp_path):
+    """An optimizer moment of another shape, every hash fixed up: the files verify and load, but the
+    state does not fit the live optimizer; every rank passes the checkpoint over (issue 46, item 4)."""
+    root = tmp_path / "checkpoints"
+    for _, path in layout.list_checkpoints(uninterrupted / "checkpoints"):
+        (root / path.name).mkdir(parents=True)
+        for f in path.iterdir():
+            (root / path.name / f.name).write_bytes(f.read_bytes())
+    newest = layout.list_checkpoints(root)[0][1]
+    manifest = json.loads((newest / layout.MANIFEST).read_text())
+    key = next(k for k, e in manifest["tensors"]["optim"].items() if e["in"] == newest.name and "exp_avg" in k)
+    tensors = torch.load(newest / "optim.pt", weights_only=True)
+    tensors[key] = torch.zeros(3)
+    written = directory.write_payload(newest, "optim.pt", tensors)
+    manifest["files"]["optim.pt"] = written.entry()
+    manifest["tensors"]["optim"][key]["sha256"] = layout.tensor_digest(tensors[key])
+    (newest / layout.MANIFEST).write_text(json.dumps(manifest))
+    job = [a if a != "2" or i != JOB.index("--epochs") + 1 else "3" for i, a in enumerate(JOB)]
+    proc = run_poise(*job, "--resume", "--out", str(tmp_path), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint step-00000044 verifies but cannot be restored" in proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["resumed_from"] == "step-00000036" and report["first_step"] == 36
 
 
 def test_resume_with_another_model_fails_in_one_line(uninterrupted, tmp_path):

@@ -1,0 +1,155 @@
+"""A job owns its output directory and ends in one line (issue 46, items 1, 7, 10): a second job
+on the same ``--out`` is refused, an ``--out`` that cannot be written is one line, Ctrl-C and
+SIGTERM stop every worker and release the directory, and a stopped rank is named as such."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from poise import config as cfg
+from poise.checkpoint import directory
+from poise.cli.train import JOB_LOCK
+from poise.launch.processes import descendants, end_tree
+from tests.conftest import ROOT, run_poise
+
+pytestmark = pytest.mark.e2e
+
+JOB = ("train", "--task", "digits", "--nproc", "2", "--diagnostics.progress", "false", "--diagnostics.plot", "false",
+       "--diagnostics.record_samples", "true")
+
+
+def _start(out: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+    log = out.parent / f"{out.name}.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen([sys.executable, "-m", "poise", *JOB, "--out", str(out), *flags], stdout=handle,
+                                stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, log
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, limit: int = 900) -> None:
+    for _ in range(limit):  # polls of 0.1 s; the test's timeout bounds it too
+        if predicate() or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert predicate(), f"the job ended or stalled before {what}"
+
+
+def _steps(out: Path) -> int:
+    with contextlib.suppress(OSError):
+        return (out / "samples" / "rank-00000.jsonl").read_text().count("\n")
+    return 0
+
+
+def _workers_of(config: Path) -> list[int]:
+    """Processes still running this job's workers (whoever their parent now is)."""
+    found = []
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if str(config).encode() in cmd.read_bytes() and b"poise.train.worker" in cmd.read_bytes():
+                found.append(int(cmd.parent.name))
+    return found
+
+
+@pytest.mark.timeout(200)
+def test_a_second_job_on_the_same_out_is_refused_and_the_first_keeps_its_config(tmp_path):
+    out = tmp_path / "out"
+    first, log = _start(out, "--steps", "40", "--seed", "1")
+    try:
+        _wait_for(lambda: (out / "config.toml").exists(), first, "writing its config")
+        before = (out / "config.toml").read_bytes()
+        second = run_poise(*JOB, "--steps", "5", "--seed", "2", "--out", str(out), "--overwrite", timeout_s=60)
+        assert second.returncode == 2, second.stderr[-2000:]
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "output directory" in lines[0] and "in use by another job" in lines[0], lines
+        assert f"pid {first.pid}" in lines[0]
+        assert (out / "config.toml").read_bytes() == before
+        assert first.wait(timeout=180) == 0, log.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            end_tree(first)
+    assert "40 steps" in log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_replaced_config_is_named_by_the_workers(tmp_path):
+    """Defence in depth behind the lock: a config file that is not the one the command resolved
+    (here: edited between the command and its workers) stops the workers in one line."""
+    path = cfg.save(cfg.from_dict({"out_dir": str(tmp_path), "task": {"name": "digits"}}), tmp_path / "config.toml")
+    env = {**os.environ, "POISE_CONFIG_HASH": "0" * 64}
+    proc = subprocess.run([sys.executable, "-m", "poise.train.worker", "--config", str(path)],
+                          capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "is not the config 'poise train' resolved for this job" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("where", ["file", "under-file"])
+def test_an_out_that_is_a_file_is_one_line(tmp_path, where):
+    file = tmp_path / "file"
+    file.write_text("x")
+    out = file if where == "file" else file / "sub"
+    proc = run_poise(*JOB, "--steps", "5", "--out", str(out), timeout_s=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not a directory" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_an_out_on_a_read_only_file_system_is_one_line(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+                                           capture_output=True, timeout=30).returncode:
+        pytest.skip("needs root and mount for a read-only file system")
+    try:
+        proc = run_poise(*JOB, "--steps", "5", "--out", str(mount / "run"), timeout_s=60)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Read-only file system" in lines[0], proc.stderr
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_the_job_in_one_line_and_releases_everything(tmp_path, sig, code):
+    out = tmp_path / "out"
+    proc, log = _start(out, "--steps", "400")
+    try:
+        _wait_for(lambda: _steps(out) >= 2, proc, "its second step")
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == code
+    finally:
+        if proc.poll() is None:
+            end_tree(proc)
+    text = log.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    assert f"poise train: stopped by {sig.name}" in text.strip().splitlines()[-1]
+    assert not _workers_of(out / "config.toml")
+    directory.lock(out, wait_s=0.0, name=JOB_LOCK)  # released: raises if anyone still held it
+    directory.unlock(out, JOB_LOCK)
+
+
+@pytest.mark.timeout(200)
+def test_a_stopped_rank_is_named_as_stopped_soon(tmp_path):
+    out = tmp_path / "out"
+    proc, log = _start(out, "--steps", "400", "--dist.timeout_s", "60")
+    try:
+        _wait_for(lambda: _steps(out) >= 2, proc, "its second step")
+        worker = next(pid for pid in descendants(proc.pid)
+                      if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()
+                      and b"poise.train.worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(worker, signal.SIGSTOP)
+        assert proc.wait(timeout=150) == 1
+    finally:
+        if proc.poll() is None:
+            end_tree(proc)
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("poise train: rank 1 stopped responding"), last

@@ -33,6 +33,8 @@ def add_parser(sub: Any) -> None:
     parser = sub.add_parser("bench", help="run a benchmark: prints a table and writes JSON")
     families = parser.add_subparsers(dest="family", required=True, parser_class=type(parser))
     for name, module in FAMILIES.items():
-        family = families.add_parser(name, help=module.HELP, description=module.__doc__.splitlines()[0])
+        # argparse %-formats help and descriptions ("20%" would format its own settings dict into them)
+        family = families.add_parser(name, help=module.HELP.replace("%", "%%"),
+                                     description=module.__doc__.splitlines()[0].replace("%", "%%"))
         module.add_arguments(family)
         family.set_defaults(run=module.run)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +40,7 @@ def add_parser(sub: Any) -> None:
     parser = sub.add_parser("diagnose", help="measure the network, diagnose a finished run, check the host")
     kinds = parser.add_subparsers(dest="diagnostic", required=True, parser_class=type(parser))
     for name, module in DIAGNOSTICS.items():
-        kind = kinds.add_parser(name, help=module.HELP, description=module.__doc__.splitlines()[0])
+        kind = kinds.add_parser(name, help=_escaped(module.HELP), description=_escaped(module.__doc__.splitlines()[0]))
         module.add_arguments(kind)
         launcher = kind.add_argument_group("launch (as poise train)")
         launcher.add_argument("--nproc", type=int, default=2, help="worker processes on this machine, default 2")
@@ -51,17 +52,29 @@ def add_parser(sub: Any) -> None:
         launcher.add_argument("--cluster-name", default="", help="run on this cluster from 'poise cluster up'")
         kind.set_defaults(run=run, module=module)
     for name, (help_, add, run_local) in LOCAL.items():
-        kind = kinds.add_parser(name, help=help_, description=help_)
+        kind = kinds.add_parser(name, help=_escaped(help_), description=_escaped(help_))
         add(kind)
         kind.set_defaults(run=run_local)
 
 
-def run(args: argparse.Namespace) -> int:
+def _escaped(text: str) -> str:
+    """``text`` as argparse's %-formatted help takes it literally."""
+    return text.replace("%", "%%")
+
+
+def prepare(args: argparse.Namespace) -> cfg.RunConfig:
+    """Check a measurement's arguments and resolve the job's config, before anything starts
+    (one-line ValueError for anything wrong)."""
     module: ModuleType = args.module
     module.check_arguments(args)
     # absolute, so every worker (and node) writes to the same place
     args.out = str(Path(args.out or module.default_out_dir()).resolve())
-    config = cfg.from_dict({"out_dir": args.out, "dist": _dist_settings(args), "cluster": _cluster_settings(args)})
+    return cfg.from_dict({"out_dir": args.out, "dist": _dist_settings(args), "cluster": _cluster_settings(args)})
+
+
+def run(args: argparse.Namespace) -> int:
+    module: ModuleType = args.module
+    config = prepare(args)
     if config.cluster.enabled:
         cluster_job.check_job(config)
     return launch_job(config, None, module=module.__name__, command=f"diagnose {args.diagnostic}",
@@ -124,6 +137,9 @@ def _add_host_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_host(args: argparse.Namespace) -> int:
+    if args.ifname and (not re.fullmatch(r"[A-Za-z0-9._-]{1,15}", args.ifname) or args.ifname in (".", "..")):
+        raise ValueError(f"--ifname={args.ifname[:40]!r} is invalid: give an interface name of 1-15 letters, digits, "
+                         "'.', '_' or '-'")
     checks = host.check_host(nproc=args.nproc, ifname=args.ifname)
     if args.json:
         sys.stdout.write(json.dumps([c.to_dict() for c in checks], indent=2) + "\n")

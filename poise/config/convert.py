@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import stat
 import tomllib
 import types
 import typing
@@ -17,6 +19,9 @@ from poise.config.dist import NODE_LOCAL_SETTINGS
 from poise.config.emulate import FORMER_SECTIONS
 from poise.config.run import SECTIONS, RunConfig
 from poise.files import write_text_atomic
+
+# The largest integer setting accepted, in magnitude: each ends in a 64-bit integer somewhere.
+MAX_INT = 2**63 - 1
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -46,9 +51,11 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
                 if text not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError
                 return text in ("true", "1", "yes")
-            return target(value)
+            value = target(value)
         except ValueError:
-            raise ValueError(f"{key}={value!r} is not a valid {target.__name__}") from None
+            raise ValueError(f"{key}={value[:80]!r} is not a valid {target.__name__}") from None
+    if target is int and isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise ValueError(f"{key}={value} is invalid: allowed is at most {MAX_INT} in magnitude")
     if target is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if (target is int and isinstance(value, bool)) or not isinstance(value, target):
@@ -138,15 +145,40 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# A config file is a few kB; a larger one is not a config (and tomllib reads it whole).
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config file; a missing or malformed file is a one-line ValueError."""
+    """Read a TOML config file; a missing, unreadable, oversized or malformed file (a
+    directory, a FIFO, nesting deep enough to exhaust the parser) is a one-line ValueError."""
+    name = str(path)
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO is refused below, not waited on
     except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist") from None
+        raise ValueError(f"config file {name!r} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"config file {name!r} cannot be read: {exc.strerror or exc}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise ValueError(f"config file {name!r} is {kind}: give a TOML file")
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise ValueError(f"config file {name!r} cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"config file {name!r} is larger than {MAX_CONFIG_BYTES} bytes: not a poise config")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {name!r} is not UTF-8 text") from None
+    except RecursionError:
+        raise ValueError(f"config file {name!r} nests too deeply to be a poise config") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+        raise ValueError(f"config file {name!r} is not valid TOML: {exc}") from None
 
 
 def load(path: str | Path) -> RunConfig:

@@ -11,6 +11,7 @@ from poise.config.fields import check_finite, check_positive, setting
 BACKENDS = ("auto", "gloo", "nccl")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
 MAX_LOCAL_WORKERS = 64
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +58,8 @@ class DistConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"dist.backend={self.backend!r} is unknown: allowed are {', '.join(BACKENDS)}")
         check_positive("dist", "timeout_s", self.timeout_s, allow_none=False)
+        if self.timeout_s > MAX_TIMEOUT_S:  # torch keeps it as a timedelta: 1e300 s overflows in every worker
+            raise ValueError(f"dist.timeout_s={self.timeout_s:g} is invalid: allowed is at most {MAX_TIMEOUT_S} s")
         if self.threads_per_worker < 0:
             raise ValueError(f"dist.threads_per_worker={self.threads_per_worker} must be >= 0")
         if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:

@@ -40,6 +40,9 @@ FORMER_SECTIONS = {
     "data_delay_s": "faults",
 }
 SLOWDOWN_METHODS = ("auto", "cgroup", "sleep")
+# The slowest an emulated rank may be: 100 times slower. Below it a step would never end (the
+# sleep method waits compute x (1/speed - 1)) and a CPU quota would be under a kernel tick.
+MIN_RANK_SPEED = 0.01
 DELAY_MODELS = ("bernoulli", "lognormal", "pareto", "slow")
 # each model's keys with their defaults
 _DELAY_KEYS: dict[str, dict[str, float | int | str]] = {
@@ -150,7 +153,7 @@ class DelaySpec:
 class EmulateConfig:
     """What to emulate: slower or noisy ranks, injected delays, a slow input pipeline, a failure."""
 
-    rank_speed: str = setting("", "emulated heterogeneity, RANK:SPEED[@STEP],... with SPEED in (0, 1], e.g. '1:0.5' "
+    rank_speed: str = setting("", "emulated heterogeneity, RANK:SPEED[@STEP],... with SPEED in [0.01, 1], e.g. '1:0.5' "
                               "or '1:0.5@80' (slowed from step 80 on)")
     speed_noise: float = setting(0.0, "emulated noise: every rank's compute in every step is stretched by 1 + X, "
                                  "X exponential with this mean (sleeps; 0 = none)")
@@ -200,8 +203,9 @@ class EmulateConfig:
             if not sep or r < 0 or k < 0:
                 raise ValueError(f"{_key('rank_speed')} item {item!r} is invalid: give RANK:SPEED or "
                                  "RANK:SPEED@STEP, e.g. 1:0.5 or 1:0.5@80")
-            if not 0.0 < s <= 1.0:
-                raise ValueError(f"{_key('rank_speed')}: speed {speed!r} of rank {r} is outside (0, 1]")
+            if not MIN_RANK_SPEED <= s <= 1.0:
+                raise ValueError(f"{_key('rank_speed')}: speed {speed!r} of rank {r} is outside "
+                                 f"[{MIN_RANK_SPEED:g}, 1] (1 = full speed)")
             speeds[r] = (s, k)
         return speeds
 

@@ -98,6 +98,10 @@ class RunConfig:
         if planned is not None and planned[0] >= world:
             raise ValueError(f"faults.fail_at={self.emulate.fail_at!r} names rank {planned[0]}, but the job has "
                              f"{world} rank(s): allowed are 0..{world - 1}")
+        delay = self.emulate.delay_spec()
+        if delay.name == "slow" and delay.rank >= world:
+            raise ValueError(f"straggler.delay={self.emulate.delay!r} names rank {delay.rank}, but the job has "
+                             f"{world} rank(s): allowed are 0..{world - 1}")
 
     @property
     def checkpoint_dir(self) -> str:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from poise.config.fields import check_finite, check_positive, setting
 
 TASK_NAMES = ("code-lm", "digits")
+# The largest model settings accepted: every worker builds the model, so a width of 10^9 would
+# fail only there, on every rank, out of memory.
+_MAXIMA = {"max_seq_len": 1 << 20, "d_model": 1 << 16, "num_layers": 1024, "num_heads": 1024}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +32,8 @@ class TaskConfig:
             raise ValueError(f"task.name={self.name!r} is unknown: allowed are {', '.join(TASK_NAMES)}")
         for name in ("max_seq_len", "d_model", "num_layers", "num_heads"):
             check_positive("task", name, getattr(self, name), allow_none=False)
+            if getattr(self, name) > _MAXIMA[name]:
+                raise ValueError(f"task.{name}={getattr(self, name)} is invalid: allowed is at most {_MAXIMA[name]}")
         if self.max_seq_len < 16:
             raise ValueError(f"task.max_seq_len={self.max_seq_len} is too small: it must be >= 16")
         if self.d_model % self.num_heads:

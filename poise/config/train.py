@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 from poise.config.fields import check_finite, check_positive, setting
 
+# Upper bounds of the counts below: far beyond any run, and small enough that every loop,
+# schedule and RNG seeded from them works (numpy and torch take seeds in 0..2^32-1).
+MAX_SEED = 2**32 - 1
+MAX_STEPS = 10**9
+_MAXIMA = {"steps": MAX_STEPS, "epochs": 10**6, "batch_size": 10**6, "batch_tokens": 10**9,
+           "schedule_steps": MAX_STEPS, "warmup_steps": MAX_STEPS, "eval_every": MAX_STEPS, "accum_steps": 10**4}
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -51,6 +58,12 @@ class TrainConfig:
         for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr", "schedule_steps"):
             check_positive("train", name, getattr(self, name))
         check_positive("train", "accum_steps", self.accum_steps, allow_none=False)
+        for name, most in _MAXIMA.items():
+            value = getattr(self, name)
+            if value is not None and value > most:
+                raise ValueError(f"train.{name}={value} is invalid: allowed is at most {most}")
+        if isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"train.seed={self.seed} is invalid: allowed is 0..{MAX_SEED}")
         if self.steps is not None and self.epochs is not None:
             raise ValueError(
                 f"train.steps={self.steps} and train.epochs={self.epochs} are both set: give one"

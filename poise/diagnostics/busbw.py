@@ -81,6 +81,12 @@ def bus_factor(op: str, world_size: int) -> float:
     return 2 * (n - 1) / n  # every all-reduce
 
 
+# What one measurement may ask of every rank: each allocates the largest size, and runs
+# warmup + repeats calls per op and size.
+MAX_SIZE_BYTES = 16 << 30
+MAX_REPEATS = 10_000
+
+
 def size_ladder(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     """``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` (bytes)."""
     if min_bytes > max_bytes:
@@ -289,9 +295,13 @@ def forwarded_argv(args: argparse.Namespace) -> list[str]:
 def check_arguments(args: argparse.Namespace) -> tuple[list[int], list[str], float | None]:
     """Sizes (bytes), ops and line rate (bytes/s) from ``args``; one-line ValueError if bad."""
     for name in ("warmup", "repeats"):
-        if getattr(args, name) < (1 if name == "repeats" else 0):
-            raise ValueError(f"--{name}={getattr(args, name)} is too small")
-    sizes = size_ladder(parse_size_bytes(args.min_bytes), parse_size_bytes(args.max_bytes), args.factor)
+        value, low = getattr(args, name), 1 if name == "repeats" else 0
+        if not low <= value <= MAX_REPEATS:
+            raise ValueError(f"--{name}={value} is invalid: allowed is {low} to {MAX_REPEATS}")
+    max_bytes = parse_size_bytes(args.max_bytes)
+    if max_bytes > MAX_SIZE_BYTES:  # every rank allocates the size (all_gather: world_size times its part)
+        raise ValueError(f"--max-bytes={args.max_bytes!r} is invalid: allowed is at most {MAX_SIZE_BYTES >> 30}G")
+    sizes = size_ladder(parse_size_bytes(args.min_bytes), max_bytes, args.factor)
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:

@@ -7,13 +7,14 @@ truncated or mismatched file stops with one line naming it, never a traceback de
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from poise.diagnostics.jsonfile import read_json_object
 from poise.diagnostics.report import WARMUP_STEPS
 from poise.diagnostics.timeline import load_table
 from poise.units import parse_rate_bit_per_s
@@ -69,13 +70,10 @@ def load_run(directory: str | Path, link: str = "") -> RunData:
         raise ValueError(f"{out}: not a directory (give the out_dir of a run)")
     report_path = out / "report.json"
     try:
-        report = json.loads(report_path.read_text())
+        report = read_json_object(report_path)
     except FileNotFoundError:
         raise ValueError(f"{report_path}: no such file (not a poise run's output directory?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{report_path}: not readable JSON ({exc})") from None
-    if not isinstance(report, dict):
-        raise ValueError(f"{report_path}: expected a JSON object, got {type(report).__name__}")
+    check_report(report, report_path)
     table = load_table(out / "timeline.npz")
     ranks, steps = table.shape[:2]
     if report.get("world_size", ranks) != ranks or report.get("steps", steps) != steps:
@@ -87,10 +85,73 @@ def load_run(directory: str | Path, link: str = "") -> RunData:
 def _link_bit_per_s(report: dict[str, Any], link: str) -> float | None:
     if link:
         return parse_rate_bit_per_s(link, what="--link")
-    cluster = (report.get("config") or {}).get("cluster") or {}
-    if isinstance(cluster, dict) and (cluster.get("nodes") or cluster.get("name")) and cluster.get("link"):
+    cluster = _section(report, "cluster")
+    if (cluster.get("nodes") or cluster.get("name")) and cluster.get("link"):
         return parse_rate_bit_per_s(str(cluster["link"]), what="cluster.link")
     return None
 
 
-__all__ = ["RunData", "load_run"]
+def _section(report: dict[str, Any], name: str) -> dict[str, Any]:
+    """``report["config"][name]`` when both are tables (what check_report allows), else {}."""
+    config = report.get("config")
+    section = config.get(name) if isinstance(config, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
+def _lookup(report: dict[str, Any], key: str) -> Any:
+    """``report[a][b]`` for the dotted ``key`` ``a.b``; None where a level is missing or no table."""
+    value: Any = report
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_report(report: dict[str, Any], path: str | Path) -> None:
+    """Refuse a report whose figures the rules read have the wrong type (one line naming the
+    key): the rules index and format them, and a report edited or written by something else
+    must not end in a traceback there. Keys that are absent are fine (users' own scripts
+    record less)."""
+    def bad(key: str, expected: str) -> ValueError:
+        return ValueError(f"{path}: {key} is {str(_lookup(report, key))[:60]!r}, expected {expected}")
+
+    for key in ("world_size", "steps"):
+        if key in report and (not isinstance(report[key], int) or isinstance(report[key], bool)):
+            raise bad(key, "a whole number")
+    if "balance" in report and not _number(report["balance"]):
+        raise bad("balance", "a number")
+    for key in ("codec", "backend", "balance_strategy"):
+        if key in report and not isinstance(report[key], str):
+            raise bad(key, "a string")
+    for key in ("config", "checkpoints"):
+        if report.get(key) is not None and not isinstance(report[key], dict):
+            raise bad(key, "a JSON object")
+    for name in ("cluster", "balance"):
+        if _lookup(report, f"config.{name}") is not None and not isinstance(_lookup(report, f"config.{name}"), dict):
+            raise bad(f"config.{name}", "a JSON object")
+    link = _section(report, "cluster").get("link")
+    if link is not None and not isinstance(link, str):
+        raise bad("config.cluster.link", "a rate such as 1gbit")
+    saves = _lookup(report, "checkpoints.saves")
+    if saves is not None and not (isinstance(saves, list) and all(
+            isinstance(s, dict) and _number(s.get("stall_s", 0.0)) for s in saves)):
+        raise bad("checkpoints.saves", "a list of objects with a number stall_s")
+    replans = report.get("replans")
+    if replans is not None and not isinstance(replans, list):
+        raise bad("replans", "a list")
+    lengths = set()
+    for entry in replans or []:
+        shares = entry.get("shares") if isinstance(entry, dict) else None
+        if shares is None:
+            continue
+        if not (isinstance(shares, list) and all(_number(v) and math.isfinite(v) for v in shares)):
+            raise ValueError(f"{path}: replans holds shares {str(shares)[:60]!r}, expected a list of numbers")
+        lengths.add(len(shares))
+    if len(lengths) > 1:
+        raise ValueError(f"{path}: replans holds shares of {len(lengths)} different lengths, expected one per rank")
+
+
+__all__ = ["RunData", "check_report", "load_run"]

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,25 +200,72 @@ def save_table(table: np.ndarray, path: str | Path) -> Path:
     return write_atomic(path, write)
 
 
+# What load_table accepts, checked from the file's headers before anything is decompressed (a
+# small compressed file can hold a huge array): 2^26 float64 entries is 512 MB, e.g. 64 ranks x
+# 50,000 steps x 20 fields.
+MAX_TIMELINE_FILE_BYTES = 1 << 30
+MAX_TABLE_ENTRIES = 1 << 26
+MAX_FIELDS = 1024
+_ARRAYS = {"table": MAX_TABLE_ENTRIES, "fields": MAX_FIELDS, "format": 1}
+
+
+def _check_npz(path: Path) -> None:
+    """Refuse, from the zip directory and the ``.npy`` headers alone, an npz whose arrays
+    :func:`load_table` would not read within bounds: a member too large, of an object
+    (pickled) or non-numeric dtype, or an array of more entries than :data:`_ARRAYS` allows.
+
+    Raises:
+        FileNotFoundError: no such file. TimelineFileError: one line naming what is wrong.
+    """
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        raise TimelineFileError(f"{path}: not a regular file")
+    if path.stat().st_size > MAX_TIMELINE_FILE_BYTES:
+        raise TimelineFileError(f"{path}: larger than {MAX_TIMELINE_FILE_BYTES} bytes")
+    with zipfile.ZipFile(path) as archive:
+        for name, limit in _ARRAYS.items():
+            try:
+                info = archive.getinfo(f"{name}.npy")
+            except KeyError:
+                continue  # np.load names what is missing
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                if version not in ((1, 0), (2, 0)):
+                    raise TimelineFileError(f"{path}: {name} has npy format {version}, expected 1.0 or 2.0")
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read_header(member)  # the header only: nothing is decompressed beyond it
+            entries = math.prod(shape)
+            if dtype.hasobject or dtype.kind not in ("f", "i", "u", "b", "U", "S"):
+                raise TimelineFileError(f"{path}: {name} has dtype {dtype}, expected numbers or text")
+            if entries > limit or entries * dtype.itemsize > MAX_TIMELINE_FILE_BYTES:
+                raise TimelineFileError(f"{path}: {name} has shape {list(shape)[:8]}: more than {limit} entries")
+
+
 def load_table(path: str | Path) -> np.ndarray:
     """Read a file of :func:`save_table` back as ``[ranks, steps, len(FIELDS)]`` in today's field order.
 
     Fields are matched by name, so a file with extra fields still loads; a missing field, a
-    truncated file, an array of the wrong shape or non-finite durations raise one line.
+    truncated file, an array of the wrong shape or non-finite durations raise one line. The
+    arrays' sizes and types are checked from their headers first (:func:`_check_npz`).
 
     Raises:
         TimelineFileError: naming the file and what is wrong with it.
     """
     path = Path(path)
     try:
+        _check_npz(path)
         with np.load(path, allow_pickle=False) as data:
-            names = [str(n) for n in data["fields"]]
+            names = [str(n) for n in np.asarray(data["fields"]).reshape(-1)]
             table = np.asarray(data["table"], dtype=np.float64)
             fmt = str(data["format"]) if "format" in data.files else ""
     except FileNotFoundError:
         raise TimelineFileError(f"{path}: no such file (Session.finish writes it with out_dir set)") from None
-    except (zipfile.BadZipFile, EOFError, OSError, KeyError, ValueError) as exc:
-        raise TimelineFileError(f"{path}: not a readable poise timeline ({type(exc).__name__}: {exc})") from None
+    except TimelineFileError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError, KeyError, ValueError,
+            TypeError, RuntimeError, NotImplementedError) as exc:  # RuntimeError: an encrypted member
+        raise TimelineFileError(f"{path}: not a readable poise timeline ({type(exc).__name__}: "
+                                f"{str(exc)[:200]})") from None
     if fmt != TABLE_FORMAT:
         raise TimelineFileError(f"{path}: format {fmt!r}, expected {TABLE_FORMAT!r}")
     if table.ndim != 3 or table.shape[2] != len(names):

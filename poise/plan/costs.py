@@ -30,11 +30,19 @@ Everything here is a pure function of numbers: no process group, no torch.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
-__all__ = ["ALL_REDUCE", "Cluster", "Link", "all_gather_s", "all_reduce_s", "hierarchical_all_reduce_s",
-           "pipelined_s", "ring_all_reduce_s", "tree_all_reduce_s"]
+import numpy as np
+
+__all__ = ["ALL_REDUCE", "MAX_WORLD_SIZE", "Cluster", "Link", "all_gather_s", "all_reduce_s",
+           "hierarchical_all_reduce_s", "pipelined_s", "ring_all_reduce_s", "tree_all_reduce_s"]
+
+# The most ranks a cluster may have: recursive doubling's crossing pattern is computed over
+# every rank once per shape (tens of MB at this size); the largest jobs run today have about
+# 10^5 accelerators.
+MAX_WORLD_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,10 @@ class Cluster:
         if self.num_nodes < 1 or self.procs_per_node < 1:
             raise ValueError(f"a cluster needs >= 1 node and >= 1 rank per node, got {self.num_nodes} x "
                              f"{self.procs_per_node}")
+        if self.num_nodes * self.procs_per_node > MAX_WORLD_SIZE:
+            raise ValueError(f"a cluster of {self.num_nodes} x {self.procs_per_node} = "
+                             f"{self.num_nodes * self.procs_per_node} ranks is beyond what the model computes in "
+                             f"bounded memory: allowed is at most {MAX_WORLD_SIZE} ranks")
 
     @property
     def world_size(self) -> int:
@@ -109,45 +121,53 @@ def _ring_all_gather_s(cluster: Cluster, chunk_bytes: float) -> float:
     return (n - 1) * _ring_edge(cluster).time_s(chunk_bytes)
 
 
-def _exchange_step_s(cluster: Cluster, distance: int, nbytes: float, *, real: list[int]) -> float:
-    """One step of pairwise exchanges between ``real[v]`` and ``real[v ^ distance]``: the
-    crossing ranks of a node share its link, the others use their own intra-node link."""
-    crossing: dict[int, int] = {}
-    local = False
-    for v, rank in enumerate(real):
-        peer = real[v ^ distance]
-        if cluster.node_of(rank) != cluster.node_of(peer):
-            crossing[cluster.node_of(rank)] = crossing.get(cluster.node_of(rank), 0) + 1
-        else:
-            local = True
-    times = [cluster.inter.time_s(count * nbytes) for count in crossing.values()]
-    if local:
-        times.append(cluster.intra.time_s(nbytes))
-    return max(times)
-
-
-def _doubling_ranks(n: int) -> tuple[list[int], int]:
+def _doubling_ranks(n: int) -> tuple[np.ndarray, int]:
     """The ``p`` ranks that take part in recursive doubling (the largest power of two <= n)
     after the extra ones folded into their odd neighbours, and the number folded."""
     p = 1 << (n.bit_length() - 1)
     extra = n - p
-    return [2 * v + 1 if v < extra else v + extra for v in range(p)], extra
+    v = np.arange(p, dtype=np.int64)
+    return np.where(v < extra, 2 * v + 1, v + extra), extra
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_shape(num_nodes: int, procs_per_node: int) -> tuple[tuple[tuple[int, bool], ...], bool]:
+    """Who crosses nodes in recursive doubling, which depends on the cluster's shape only: per
+    exchange step (distance 1, 2, 4...), the most ranks of one node whose partner sits on
+    another node, and whether any pair stays inside a node; and whether a folded pair straddles
+    two nodes. Computed once per shape in O(n log n) (numpy, n <= MAX_WORLD_SIZE), so that each
+    of a plan's buckets costs O(log n)."""
+    real, extra = _doubling_ranks(num_nodes * procs_per_node)
+    node = real // procs_per_node
+    index = np.arange(len(real), dtype=np.int64)
+    steps = []
+    distance = 1
+    while distance < len(real):
+        crossing = node != node[index ^ distance]
+        most = int(np.bincount(node[crossing]).max()) if crossing.any() else 0
+        steps.append((most, bool(not crossing.all())))
+        distance <<= 1
+    folded = np.arange(extra, dtype=np.int64)
+    straddle = bool(np.any(2 * folded // procs_per_node != (2 * folded + 1) // procs_per_node))
+    return tuple(steps), straddle
 
 
 def tree_all_reduce_s(cluster: Cluster, nbytes: float) -> float:
     """Recursive doubling (``collectives.Tree``): ``log2 p`` exchanges of ``nbytes``, plus a
-    fold and an unfold of ``nbytes`` when ``n`` is not a power of two."""
+    fold and an unfold of ``nbytes`` when ``n`` is not a power of two. In an exchange the
+    crossing ranks of a node share its link, the others use their own intra-node link, and
+    the step waits for the slowest."""
     n = cluster.world_size
     if n == 1 or nbytes <= 0:
         return 0.0
-    real, extra = _doubling_ranks(n)
+    steps, straddle = _tree_shape(cluster.num_nodes, cluster.procs_per_node)
     total = 0.0
-    distance = 1
-    while distance < len(real):
-        total += _exchange_step_s(cluster, distance, nbytes, real=real)
-        distance <<= 1
-    if extra:  # ranks 2i and 2i + 1 (i < extra): their own link, or the node's if they straddle nodes
-        straddle = any(cluster.node_of(2 * i) != cluster.node_of(2 * i + 1) for i in range(extra))
+    for most, local in steps:
+        times = [cluster.inter.time_s(most * nbytes)] if most else []
+        if local:
+            times.append(cluster.intra.time_s(nbytes))
+        total += max(times)
+    if n & (n - 1):  # ranks 2i and 2i + 1 (i < extra): their own link, or the node's if they straddle nodes
         total += 2 * (cluster.inter if straddle else cluster.intra).time_s(nbytes)
     return total
 

@@ -12,6 +12,11 @@ from typing import Any
 
 from poise.plan.step_time import Param
 
+# The largest decoder :func:`transformer_params` synthesizes: 10^14 parameters (today's largest
+# models have a few 10^12) is d_model ~1e5 in ~800 blocks, about 5,000 tensors to plan.
+MAX_PARAMS = 1e14
+MAX_VOCAB_SIZE = 10**8
+
 
 def params_of(module: Any) -> list[Param]:
     """Every parameter of ``module`` in registration order (DDP's order). Backward share:
@@ -30,8 +35,10 @@ def transformer_params(num_params: float, *, vocab_size: int = 32000,
     """A GPT-style decoder of about ``num_params`` parameters (assumed shapes): untied token
     embedding and head of ``vocab_size``, ``L = d / head_dim_ratio`` blocks of
     attention (qkv, out) and a 4d MLP, d a multiple of 128 solving ``12 L d^2 + 2 V d = P``."""
-    if not num_params > 0:
-        raise ValueError(f"--params={num_params} must be positive")
+    if not 1 <= num_params <= MAX_PARAMS:  # also refuses nan and inf, for which the search below never ends
+        raise ValueError(f"--params={num_params:g} is invalid: allowed is 1 to {MAX_PARAMS:g} parameters")
+    if isinstance(vocab_size, bool) or not 1 <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(f"--vocab-size={vocab_size} is invalid: allowed is 1 to {MAX_VOCAB_SIZE}")
     d = 128
     while 12 * (d / head_dim_ratio) * d * d + 2 * vocab_size * d < num_params:
         d += 128

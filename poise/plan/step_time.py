@@ -24,6 +24,7 @@ one rank; bytes are bytes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -71,16 +72,25 @@ def plan_buckets(params: Sequence[Param], bucket_bytes: float, *, itemsize: int 
     total = sum(weights) or 1.0
     buckets: list[Bucket] = []
     current: list[int] = []
+    numel = 0  # entries in ``current`` (kept, not re-summed: a bucket of many small tensors stays O(n))
     done = 0.0
     for index in reversed(range(len(params))):
         current.append(index)
+        numel += params[index].numel
         done += weights[index]
         cap = first_bucket_bytes if not buckets else bucket_bytes
-        if sum(params[i].numel for i in current) * itemsize >= cap or index == 0:
-            buckets.append(Bucket(tuple(current), sum(params[i].numel for i in current),
-                                  tuple(params[i].shape for i in current), min(1.0, done / total)))
-            current = []
+        if numel * itemsize >= cap or index == 0:
+            buckets.append(Bucket(tuple(current), numel, tuple(params[i].shape for i in current),
+                                  min(1.0, done / total)))
+            current, numel = [], 0
     return buckets
+
+
+@functools.lru_cache(maxsize=16)
+def _buckets(params: tuple[Param, ...], bucket_bytes: float) -> list[Bucket]:
+    """:func:`plan_buckets`, once per model and bucket size: a plan predicts every codec and
+    collective on the same buckets (the list is shared; nobody changes it)."""
+    return plan_buckets(params, bucket_bytes)
 
 
 @dataclass(frozen=True)
@@ -266,7 +276,7 @@ def _predict_step(cluster: Cluster, params: Sequence[Param], compute: Compute, c
     if resolve(config.collective, cluster, 1 << 30) == "hierarchical" and cluster.num_nodes > 1:
         speed = (leader_speeds or speeds or {}).get(config.codec, speed)  # the leaders decode num_nodes payloads
     scale = compute.codec_scale
-    buckets = plan_buckets(params, config.bucket_mb * (1 << 20))
+    buckets = _buckets(tuple(params), config.bucket_mb * (1 << 20))
     backward_s = compute.backward_s
     hierarchical = resolve(config.collective, cluster, 1 << 30) == "hierarchical" and cluster.world_size > 1
     lowrank = isinstance(codec, PowerSGDCodec)

@@ -43,3 +43,22 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache site
+
+# The prepared GPU check (issue 48; poise/bench/gpu.py): the `cuda` tests, the codec kernels against
+# the device's copy bandwidth and the probe's overhead per step, written to runs/gpu-check/gpu_check.json;
+# under 8 minutes on one H100. The interpreter: GPU_PYTHON if given; else python3 where its torch sees
+# a GPU (a lent machine: torch's CUDA build preinstalled, no network, so nothing can be installed
+# there); else the venv target's environment, made if needed (off these machines pip's torch for
+# Linux is a CUDA build). poise is imported from this checkout. On a CPU machine:
+# `make gpu-check GPU_CHECK_ARGS=--dry-run` (the same code paths, tiny sizes, no device).
+GPU_PYTHON ?=
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check:
+	@py="$(GPU_PYTHON)"; \
+	if [ -z "$$py" ]; then \
+		if python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then py=python3; \
+		else $(MAKE) venv && py=$(BIN)/python; fi; \
+	fi; \
+	echo "gpu check with $$py"; \
+	PYTHONUNBUFFERED=1 $$py -m poise.bench.gpu --out runs/gpu-check $(GPU_CHECK_ARGS)

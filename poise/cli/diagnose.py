@@ -101,7 +101,7 @@ def _cluster_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"name": args.cluster_name}
     if args.cluster:
         nodes = args.cluster.partition(":")[0]
-        if not nodes.isdigit():
+        if not (nodes.isascii() and nodes.isdigit()):
             raise ValueError(f"--cluster {args.cluster!r} is invalid: give N[:M], positive integers")
         settings["nodes"] = int(nodes)
     if getattr(args, "link", ""):

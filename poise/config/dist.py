@@ -12,6 +12,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
 MAX_LOCAL_WORKERS = 64
 MAX_TIMEOUT_S = 7 * 24 * 3600
+# Machines in one job: far beyond any cluster, and a bound on the ranks that seeds and ids count.
+MAX_NODES = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +53,10 @@ class DistConfig:
                 f"(this machine has {os.cpu_count()} cores)"
             )
         parts = self.nnodes.split(":")
-        if len(parts) > 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"dist.nnodes={self.nnodes!r} is invalid: give N or MIN:MAX, positive integers")
+        whole = all(p.isascii() and p.isdigit() and len(p) <= 9 for p in parts)
+        if len(parts) > 2 or not whole or not all(0 < int(p) <= MAX_NODES for p in parts):
+            raise ValueError(f"dist.nnodes={self.nnodes[:40]!r} is invalid: give N or MIN:MAX, integers from 1 to "
+                             f"{MAX_NODES}")
         if self.node_rank is not None and self.node_rank < 0:
             raise ValueError(f"dist.node_rank={self.node_rank} must be >= 0")
         if self.backend not in BACKENDS:

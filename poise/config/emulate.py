@@ -218,6 +218,6 @@ class EmulateConfig:
         if not self.fail_at:
             return None
         rank, sep, step = self.fail_at.partition(":")
-        if not sep or not rank.strip().isdigit() or not step.strip().isdigit():
+        if not sep or not all(t.strip().isascii() and t.strip().isdigit() for t in (rank, step)):
             raise ValueError(f"{_key('fail_at')}={self.fail_at!r} is invalid: give RANK:STEP, e.g. 1:30")
         return int(rank), int(step)

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from poise.config.fields import check_finite, check_positive, setting
 
 # Upper bounds of the counts below: far beyond any run, and small enough that every loop,
-# schedule and RNG seeded from them works (numpy and torch take seeds in 0..2^32-1).
-MAX_SEED = 2**32 - 1
+# schedule and RNG seeded from them works. Workers seed numpy with ``seed * 1000 + rank``
+# (poise/train/recipe.py), which numpy takes in 0..2^32-1: 2^22 - 1 leaves room for 10^8 ranks.
+MAX_SEED = 2**22 - 1
 MAX_STEPS = 10**9
 _MAXIMA = {"steps": MAX_STEPS, "epochs": 10**6, "batch_size": 10**6, "batch_tokens": 10**9,
            "schedule_steps": MAX_STEPS, "warmup_steps": MAX_STEPS, "eval_every": MAX_STEPS, "accum_steps": 10**4}

@@ -20,6 +20,7 @@ small (``max_examples``), so the file runs in about a minute on two cores.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import io
 import json
 import os
@@ -102,7 +103,19 @@ def _resolve(command: str, argv: list[str]) -> str:
         from poise.pipeline.worker import check_config
 
         check_config(config, config.train.batch_size)
+    _preflight(config)
     return "resolved"
+
+
+def _preflight(config: Any) -> None:
+    """What every worker does first with the values of a config the CLI accepted: they must not
+    fail there (issue 46: --seed -1 passed the CLI and stopped every worker)."""
+    from poise.train.recipe import seed_everything
+
+    seed_everything(config.train.seed, rank=config.max_world_size() - 1)
+    datetime.timedelta(seconds=config.dist.timeout_s)  # the process group's timeout
+    config.emulate.delay_spec()
+    config.emulate.rank_speeds()
 
 
 @FUZZ

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from poise.cli import build_parser, main
 from poise.diagnostics.timeline import FIELDS, TimelineFileError, load_table, save_table
 from poise.plan.costs import MAX_WORLD_SIZE, Cluster, Link, tree_all_reduce_s
+from poise.train.recipe import seed_everything
 from tests.bounded import one_line, refused_in_one_line, run_bounded
 
 
@@ -225,7 +226,8 @@ def _resolve(*flags: str):
 
 
 @pytest.mark.parametrize("flags,match", [
-    (("--seed", "-1"), r"^train.seed=-1 is invalid: allowed is 0..4294967295$"),
+    (("--seed", "-1"), r"^train.seed=-1 is invalid: allowed is 0..4194303$"),
+    (("--seed", "4294967"), r"^train.seed=4294967 is invalid"),  # seed x 1000 + rank is past numpy's 2^32 - 1
     (("--seed", "99999999999999999999999"), r"^train.seed=99999999999999999999999 is invalid"),
     (("--metrics.host", "not.a.host"), r"^metrics.host='not.a.host' is invalid: give an IP address"),
     (("--metrics.port", "0", "--metrics.host", "example.org"), r"^metrics.host='example.org' is invalid"),
@@ -242,9 +244,10 @@ def test_train_settings_out_of_range_are_refused_before_launch(flags, match):
 def test_addresses_and_the_edges_of_the_ranges_are_accepted():
     for host in ("127.0.0.1", "0.0.0.0", "::1", "localhost"):
         assert _resolve("--metrics.host", host).metrics.host == host
-    config = _resolve("--seed", str(2**32 - 1), "--rank-speed", "1:0.01", "--nproc", "2",
+    config = _resolve("--seed", str(2**22 - 1), "--rank-speed", "1:0.01", "--nproc", "2",
                       "--delay", "slow:rank=1,x=0.2")
-    assert config.train.seed == 2**32 - 1
+    assert config.train.seed == 2**22 - 1
+    seed_everything(config.train.seed, rank=10**8 - 1)  # what every worker does with it first
 
 
 def test_the_cli_refuses_them_with_exit_2(capsys):

@@ -158,7 +158,7 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path | None
             if module_args is not None:
                 argv += ["--module-args", json.dumps(list(module_args))]
             agents.append(_Agent(node, argv, env, logs / f"node{node}.log", echo=node == 0))
-        return _wait(agents, command)
+        code, message = _wait(agents)
     finally:
         _stop(agents)
         leftovers = [pid for ns in namespaces for pid in net.namespace_pids(ns)]
@@ -167,6 +167,11 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path | None
             net.stop_processes(leftovers)
         for agent in agents:
             agent.close()
+    # after the other agents are stopped and their output copied: their own one-line "stopped by
+    # SIGTERM" is a consequence, and the cause is the line a user reads last
+    if message:
+        sys.stderr.write(f"poise {command}: {message}\n")
+    return code
 
 
 def _stop(agents: list[_Agent]) -> None:
@@ -185,8 +190,8 @@ def _stop(agents: list[_Agent]) -> None:
                 pass
 
 
-def _wait(agents: list[_Agent], command: str) -> int:
-    """Wait for every agent; returns 0, or 1 after naming the node whose failure caused the others."""
+def _wait(agents: list[_Agent]) -> tuple[int, str]:
+    """Wait for every agent; returns 0, or 1 and what names the node whose failure caused the others."""
     failed: list[_Agent] = []  # in the order their failures were seen
     first_failed_at = 0.0
     while True:
@@ -202,7 +207,7 @@ def _wait(agents: list[_Agent], command: str) -> int:
             break
         time.sleep(0.2)
     if not failed:
-        return 0
+        return 0, ""
     for agent in failed:
         agent.reader.join(timeout=5.0)
     # A killed worker is reported late (its agent notices it at the next monitor tick), while its
@@ -213,9 +218,7 @@ def _wait(agents: list[_Agent], command: str) -> int:
         f"exit code {code}"
     # a node killed by a signal said nothing about it: its last line is whatever it was doing
     line = cause.failure_line() if code >= 0 or cause.rank_failed else ""
-    sys.stderr.write(f"poise {command}: node {cause.node} failed ({how}){': ' + line if line else ''} "
-                     f"(log: {cause.log_path})\n")
-    return 1
+    return 1, f"node {cause.node} failed ({how}){': ' + line if line else ''} (log: {cause.log_path})"
 
 
 class _Agent:

@@ -42,7 +42,7 @@ def _ranks(rank: int, world_size: int) -> dict:
     side = torch.cuda.Stream(device)
     out: dict = {"reducer": repr(state.reducer), "calls": []}
     for call in range(2):
-        before = {k: (ef.residual(k).cpu() if ef.residual(k) is not None else torch.zeros_like(_x(0, k, 0)))
+        before = {k: (ef.residual(k).cpu().clone() if ef.residual(k) is not None else torch.zeros_like(_x(0, k, 0)))
                   for k in SHAPES}
         grads = {k: torch.zeros(_x(rank, k, call).numel(), device=device) for k in SHAPES}
         futures = {}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-LENGTHS = np.random.default_rng(0).integers(4, 24, size=64)
+LENGTHS = np.random.default_rng(0).integers(4, 24, size=256)
 FEATURES = 8
 
 

@@ -69,10 +69,18 @@ def device_facts(device: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(device)
         facts.update(name=props.name, capability=f"{props.major}.{props.minor}",
                      memory_gb=round(props.total_memory / 1e9, 1), multiprocessors=props.multi_processor_count,
-                     nccl=".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None)
+                     nccl=_nccl_version())
     else:
         facts.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads())
     return facts
+
+
+def _nccl_version() -> str | None:
+    """NCCL's version as torch reports it (a tuple in torch 2.x), or None without NCCL."""
+    if not dist.is_nccl_available():
+        return None
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _counts(junit: Path) -> dict[str, Any]:
@@ -186,6 +194,28 @@ def _process_group(device: torch.device) -> bool:
     return True
 
 
+def _phase(run: Callable[[], dict[str, Any]], say: Callable[[str], None]) -> dict[str, Any]:
+    """``run()``, or ``{"error": ...}`` when it raises: one failed bench must not cost the lent
+    machine's other figures (the error is printed and kept in the JSON)."""
+    try:
+        return run()
+    except Exception as exc:  # reported, not hidden: ok is false then
+        line = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:500]
+        say(f"  FAILED {line}")
+        return {"error": line}
+
+
+def _probe(device: torch.device, size: probe_overhead.ModelSize, steps: int, dry_run: bool,
+           say: Callable[[str], None]) -> dict[str, Any]:
+    """One model size of the probe bench, and its summary line."""
+    row = probe_overhead.measure(size, device, steps=steps, warmup=1 if dry_run else 10, rounds=2 if dry_run else 5,
+                                 say=say)
+    say(f"  {size.label}: step {row['step_ms']['ddp']:.2f} ms (ddp), {row['step_ms']['session']:.2f} ms (session): "
+        f"probe overhead {row['probe_overhead_pct']:+.2f} % ({row['probe_overhead_ms']:+.3f} ms; "
+        f"target <= {row['target_pct']} %)")
+    return row
+
+
 def check(out_dir: Path, *, dry_run: bool, tests: bool, codec_mbytes: float, sizes: list[str],
           probe_steps: int, say: Callable[[str], None]) -> dict[str, Any]:
     """Run the check's phases (see module doc) and write ``<out_dir>/gpu_check.json``; returns its content.
@@ -213,32 +243,33 @@ def check(out_dir: Path, *, dry_run: bool, tests: bool, codec_mbytes: float, siz
         f"CUDA {facts['cuda']}")
     result: dict[str, Any] = {"bench": "gpu_check", "dry_run": dry_run, "device": facts,
                               "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = out_dir / RESULT
+    write_json_atomic(path, result)  # after every phase: a run cut short still leaves what it measured
     result["tests"] = run_cuda_tests(out_dir, TESTS_TIMEOUT_S, say) if tests else None
+    write_json_atomic(path, result)
     say(f"codec kernels on {device}, {codec_mbytes:g} MB float32:")
-    result["codecs"] = codec_kernels(device, codec_mbytes, repeats=2 if dry_run else 10, warmup=1 if dry_run else 3,
-                                     say=say)
+    result["codecs"] = _phase(lambda: codec_kernels(device, codec_mbytes, repeats=2 if dry_run else 10,
+                                                    warmup=1 if dry_run else 3, say=say), say)
+    write_json_atomic(path, result)
     say(f"probe overhead per step (code-lm model, {device}):")
-    made = _process_group(device)
+    made = _process_group(device)  # one rank: what a Session needs
     try:
-        result["probe"] = [probe_overhead.measure(probe_overhead.SIZES[s], device, steps=probe_steps,
-                                                  warmup=1 if dry_run else 10, rounds=2 if dry_run else 5, say=say)
-                           for s in sizes]
+        result["probe"] = [_phase(lambda s=s: _probe(device, probe_overhead.SIZES[s], probe_steps, dry_run, say),
+                                  say) for s in sizes]
     finally:
         if made:
             dist.destroy_process_group()
-    for row in result["probe"]:
-        say(f"  {row['model']['label']}: step {row['step_ms']['ddp']:.2f} ms (ddp), "
-            f"{row['step_ms']['session']:.2f} ms (session): probe overhead {row['probe_overhead_pct']:+.2f} % "
-            f"({row['probe_overhead_ms']:+.3f} ms; target <= {row['target_pct']} %)")
     # exit code 0: collected, none failed (5, nothing collected, is a failure of the check itself)
     tests_ok = result["tests"] is None or (result["tests"]["exit_code"] == 0 and not result["tests"]["failed"]
                                            and not result["tests"]["errors"])
-    result["ok"] = tests_ok
-    result["probe_meets_target"] = all(row["meets_target"] for row in result["probe"])
+    benches_ok = "error" not in result["codecs"] and all("error" not in row for row in result["probe"])
+    result["ok"] = tests_ok and benches_ok
+    result["probe_meets_target"] = benches_ok and all(row["meets_target"] for row in result["probe"])
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
-    path = write_json_atomic(out_dir / RESULT, result)
+    write_json_atomic(path, result)
     target = "met" if result["probe_meets_target"] else "missed"
-    say(f"wrote {path} in {result['elapsed_s']} s: tests {'ok' if tests_ok else 'FAILED'}, probe target "
+    say(f"wrote {path} in {result['elapsed_s']} s: tests {'ok' if tests_ok else 'FAILED'}, benches "
+        f"{'ok' if benches_ok else 'FAILED'}, probe target "
         + (f"{target} (dry run: CPU timings of tiny sizes, no figure of a GPU)" if dry_run else target))
     return result
 

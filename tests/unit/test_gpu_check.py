@@ -95,3 +95,10 @@ def test_without_a_device_the_real_check_says_so_in_one_line(tmp_path, capsys):
     assert gpu.main(["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "no CUDA device" in err and "--dry-run" in err and len(err.splitlines()) == 1
+
+
+def test_a_failing_bench_is_kept_as_an_error_not_lost():
+    lines: list[str] = []
+    assert gpu._phase(lambda: {"figure": 1.0}, lines.append) == {"figure": 1.0}
+    assert gpu._phase(lambda: {"x": 1 / 0}, lines.append) == {"error": "ZeroDivisionError: division by zero"}
+    assert lines == ["  FAILED ZeroDivisionError: division by zero"]

@@ -5,7 +5,8 @@ A ``torch.cuda.synchronize()`` (or any synchronizing op) in DDP's comm hook woul
 queue behind it, so communication could no longer overlap backward; the probe therefore only
 records events (``poise/runtime/clock.py``, ``poise/comm/probe.py``). Checked here with torch's
 own detector (``torch.cuda.set_sync_debug_mode``): a backward with poise's hook behind the
-probe raises no more synchronization warnings than plain DDP's.
+probe (uncompressed, and fp16 and top-k behind error feedback) raises no more synchronization
+warnings than plain DDP's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -50,7 +52,7 @@ def _sync_warnings(backward: Callable[[], None]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def _probe(rank: int, world_size: int) -> dict:
+def _probe(rank: int, world_size: int, codec: str) -> dict:
     import poise.comm
     from poise.comm.probe import BucketProbe, instrumented
     from poise.runtime.clock import CudaClock
@@ -63,7 +65,7 @@ def _probe(rank: int, world_size: int) -> dict:
                                      device_ids=[device.index], bucket_cap_mb=1)
     clock = CudaClock(device)
     probe = BucketProbe(clock)
-    compress = poise.comm.hook("none")
+    compress = poise.comm.hook(codec, start_step=0)  # compressing from the first step, error feedback on
     hooked.register_comm_hook(None, instrumented(compress, probe))
     x = torch.randn(64, 512, device=device)
     for ddp in (plain, hooked):  # the first backward builds buckets: warm both up
@@ -83,9 +85,13 @@ def _probe(rank: int, world_size: int) -> dict:
             "busy": busy, "hidden": hidden}
 
 
-def test_the_probe_records_events_in_the_hook_and_never_synchronizes():
-    (r,) = run_nccl(_probe, world_size=1, timeout_s=120)
+@pytest.mark.parametrize("codec", ["none", "fp16", "topk"])
+def test_the_probe_records_events_in_the_hook_and_never_synchronizes(codec):
+    """With codecs too: the codec and error feedback run in the hook (on DDP's autograd thread)."""
+    (r,) = run_nccl(_probe, world_size=1, timeout_s=120, codec=codec)
     assert r["buckets"] > 1 and r["in_flight"] == r["buckets"] and r["events"]
     assert r["explicit"] == 0
-    assert r["hooked_syncs"] <= r["plain_syncs"], "poise's hook or probe synchronizes with the device"
+    assert r["hooked_syncs"] <= r["plain_syncs"], (
+        f"poise's hook, codec or probe synchronizes with the device: {r['hooked_syncs']} synchronizing "
+        f"operations against plain DDP's {r['plain_syncs']}")
     assert r["busy"] >= r["hidden"] >= 0

@@ -1,5 +1,5 @@
 """A Hugging Face user's script with poise, end to end: a random-init GPT-2 from ``transformers``
-under Accelerate on 2 gloo processes (``tests/e2e/scripts/hf_accelerate_train.py``).
+under Accelerate on 2 gloo processes (``examples/hf_accelerate.py``).
 
 The mistakes such a user makes are refused before a step trains (the session's loader passed
 through ``accelerator.prepare``, in both loop forms), counted loss terms give the exact
@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.e2e
 
-SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "hf_accelerate_train.py"
+SCRIPT = ROOT / "examples" / "hf_accelerate.py"
 TIMEOUT_S = 120
 
 

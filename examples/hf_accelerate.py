@@ -1,4 +1,4 @@
-"""A Hugging Face user's own script with poise: ``torchrun --nproc-per-node 2 hf_accelerate_train.py --out DIR``.
+"""A Hugging Face user's own script with poise: ``torchrun --nproc-per-node 2 examples/hf_accelerate.py --out DIR``.
 
 A random-init GPT-2 from ``transformers`` learns byte tokens of the standard library's
 docstrings (samples of very unequal length) under Accelerate on the CPU, through

@@ -8,7 +8,7 @@ a rerun fits) and prints its progress:
 1. the ``cuda`` tests (``pytest -m cuda`` over ``tests/cuda/`` and ``tests/*/test_*_cuda.py``):
    the codecs on CUDA against their CPU reference, the probe's CUDA events, sessions on NCCL
    and on gloo with CUDA tensors, PowerSGD's thread with streams, checkpoints of CUDA state,
-   the freed-memory policy left alone on a GPU;
+   the freed-memory policy left alone on a GPU, Lightning's strategy on ``accelerator="gpu"``;
 2. the codec kernels' encode + decode throughput against the device's own copy bandwidth
    (``dst.copy_(src)`` of the same tensor, interleaved; GB/s of gradient, i.e. tensor bytes
    per second: a copy moves twice that through memory);

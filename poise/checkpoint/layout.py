@@ -12,12 +12,16 @@ One directory per checkpoint under the root, named by the step it was taken afte
 While it is written the directory is ``.partial-step-00000040-<token>``, ``<token>`` unique to
 the job's launcher attempt; it is renamed to its final name after the manifest is on disk
 (fsync'd), so a checkpoint directory without the ``.partial`` prefix is always complete. A
-manifest is input like any file on disk: :func:`read_manifest` checks its shape (plain file
-names inside the folder, bases named ``step-NNNNNNNN``) before anything acts on it.
+manifest is input like any file on disk: :func:`read_manifest` bounds its size and nesting
+before parsing it and checks its shape (plain file names inside the folder, bases named
+``step-NNNNNNNN``) before anything acts on it. No symbolic link in a checkpoint is followed: a
+linked folder, manifest or file makes the checkpoint not good. A partial folder is never a
+checkpoint; the job that takes the root's lock removes the ones earlier saves left unfinished.
 
-The root holds ``.lock``, locked (``flock``) by the job's rank 0 for as long as it runs, so two
-jobs never write, or prune, one directory. Folders a resume passed over (newer than the
-checkpoint it resumed from, none of them verifying) are renamed ``.aside-step-...-<token>``
+The root holds ``.lock``, locked (``flock``) by the job's rank 0 for as long as it runs (taken
+before a resume picks its checkpoint), so two jobs never write, prune or set aside in one
+directory. Folders a resume passed over (newer than the checkpoint it resumed from, none of
+them verifying or loading) are renamed ``.aside-step-...-<token>``
 and never deleted by poise; ``.old-step-...`` is a checkpoint being replaced by a newer save
 of the same step, renamed back if a crash came in between. Everything that changes the root
 (writing, renaming into place, the lock, recovering, setting aside, pruning) is in

@@ -90,7 +90,7 @@ class ErrorFeedback(Codec):
             log.warning("gradient for bucket %s holds %d NaN/Inf entries: residual kept, step to be skipped",
                         key, bad)
             return None
-        residual = self._residuals.get(key)
+        residual = self._residual_on(key, src.device)
         if residual is not None and residual.shape != src.shape:
             # DDP rebuilt its buckets (after step 1): old residuals belong to other entries
             log.info("bucket %s changed size (%d -> %d entries): residual dropped", key,
@@ -111,7 +111,7 @@ class ErrorFeedback(Codec):
         src = flat(tensor)
         if src.numel() and not torch.isfinite(src.sum(dtype=torch.float32)):
             return self.correct(tensor, key)  # raises, or counts the skip and returns None
-        residual = self._residuals.get(key)
+        residual = self._residual_on(key, src.device)
         if residual is None or residual.shape != src.shape or residual.dtype != src.dtype:
             if residual is not None:
                 log.info("bucket %s changed size (%d -> %d entries): residual dropped", key,
@@ -119,6 +119,14 @@ class ErrorFeedback(Codec):
             residual = self._residuals[key] = src.clone()
             return residual
         return residual.add_(src)
+
+    def _residual_on(self, key: Hashable | None, device: torch.device) -> torch.Tensor | None:
+        """The residual of ``key`` on ``device``: a checkpoint is loaded on the CPU, and a CUDA
+        run's first step after a resume would add a CPU residual to a CUDA gradient."""
+        residual = self._residuals.get(key)
+        if residual is not None and residual.device != device:
+            residual = self._residuals[key] = residual.to(device)
+        return residual
 
     def residual(self, key: Hashable | None) -> torch.Tensor | None:
         """The residual stored for ``key`` (flat), or None."""

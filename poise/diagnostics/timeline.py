@@ -284,6 +284,9 @@ def load_table(path: str | Path) -> np.ndarray:
     durations = [FIELDS.index(f) for f in ("data_s", "forward_s", "backward_s", "comm_wait_s", "optim_s", "step_s")]
     if not np.all(np.isfinite(table[:, :, durations])) or np.any(table[:, :, durations] < -1e-6):
         raise TimelineFileError(f"{path}: durations are not finite non-negative seconds")
+    counts = [FIELDS.index(f.name) for f in dataclasses.fields(StepRecord) if f.type in ("int", int)]
+    if not np.all(np.isfinite(table[:, :, counts])) or np.any(table[:, :, counts] < 0):
+        raise TimelineFileError(f"{path}: counts (steps, samples, tokens, bytes, skipped) are not finite and >= 0")
     return table
 
 

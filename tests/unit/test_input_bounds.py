@@ -277,3 +277,14 @@ def test_config_paths_that_are_no_config_file_are_refused(tmp_path, make):
         path.write_bytes(b"\xff\xfe\x00bad")
     outcome = run_bounded(_resolve, "--config", str(path), timeout_s=20)  # resolves, never launches
     assert refused_in_one_line(outcome) and outcome.message.startswith("config file"), outcome.describe()
+
+
+def test_a_timeline_with_a_non_finite_count_is_refused(tmp_path, capsys):
+    # found by test_fuzz_inputs: an inf in 'skipped' ended nonfinite_steps in OverflowError
+    table = np.zeros((2, 3, len(FIELDS)))
+    table[1, 2, FIELDS.index("skipped")] = np.inf
+    _run_dir(tmp_path, {"steps": 3})
+    save_table(table, tmp_path / "timeline.npz")
+    assert main(["diagnose", "run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and "counts (steps, samples, tokens, bytes, skipped) are not finite" in err, err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -110,5 +111,5 @@ def require_positive(args: Any, *names: str) -> None:
     """One-line ValueError for the first of ``args.<name>`` that is not > 0."""
     for name in names:
         value = getattr(args, name)
-        if not value > 0:
-            raise ValueError(f"--{name.replace('_', '-')}={value} must be positive")
+        if not (value > 0 and math.isfinite(value)):  # inf seconds or steps would never end
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be positive and finite")

@@ -288,3 +288,14 @@ def test_a_timeline_with_a_non_finite_count_is_refused(tmp_path, capsys):
     assert main(["diagnose", "run", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert one_line(err) and "counts (steps, samples, tokens, bytes, skipped) are not finite" in err, err
+
+
+def test_benchmark_counts_and_timeouts_must_be_finite():
+    from argparse import Namespace
+
+    from poise.bench.harness import require_positive
+
+    require_positive(Namespace(steps=3, timeout_s=60.0), "steps", "timeout_s")
+    for value in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"^--timeout-s=.* must be positive and finite$"):
+            require_positive(Namespace(timeout_s=value), "timeout_s")

@@ -155,7 +155,7 @@ def _names(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
 # O(n^2 log n) in its points, and each profiled layer is a tensor every configuration plans.
 MAX_POINTS = 1024
 MAX_ROWS = 10_000
-MAX_LAYERS = 100_000
+MAX_LAYERS = 4096
 
 
 def _read_json(path: str, flag: str) -> dict[str, Any]:

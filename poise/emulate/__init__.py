@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
+from torch.utils.data import default_collate
 
 from poise.config import EmulateConfig
 from poise.emulate.delays import DelayModel
@@ -49,25 +50,19 @@ class Emulation:
 
     def install(self, model: nn.Module) -> None:
         """Stretch ``model``'s forward (sleeping) when this rank is slowed or noisy."""
-        if self.slowdown.method == "sleep" or self.slowdown.noise > 0:
+        if self.slowdown.sleeps:
             model.register_forward_hook(self.slowdown.forward_hook)
 
     def wrap_collate(self, collate: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
         """``collate`` slowed by the emulated input pipeline (itself when there is none)."""
         if collate is None and self.faults.data_delay_s <= 0:
             return None
-        return self.faults.wrap_collate(collate if collate is not None else _default_collate)
+        return self.faults.wrap_collate(collate if collate is not None else default_collate)
 
     def describe(self) -> dict[str, Any]:
         """This rank's emulated slowness, for the report (speed 1.0, method 'none': not slowed)."""
         s = self.slowdown
         return {"speed": s.speed, "method": s.method, "from_step": s.from_step, "noise": s.noise}
-
-
-def _default_collate(batch: Any) -> Any:
-    from torch.utils.data import default_collate
-
-    return default_collate(batch)
 
 
 def emulation_for(config: EmulateConfig, *, rank: int, threads: int, seed: int) -> Emulation:

@@ -108,9 +108,9 @@ class Slowdown:
         self.stretch()
 
     @property
-    def active(self) -> bool:
-        """Whether this rank is slowed or noisy at all (otherwise nothing need be installed)."""
-        return self.method == "sleep" or self.noise > 0 or self.method == "cgroup"
+    def sleeps(self) -> bool:
+        """Whether this rank's compute is stretched by sleeping (speed by sleeps, or noise)."""
+        return self.method == "sleep" or self.noise > 0
 
     def wrap_hook(self, hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
                   ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
@@ -119,7 +119,7 @@ class Slowdown:
         Wrap *outside* the timing probe, so the probe sees the bucket after the sleep and
         counts it as compute. (DDP reads the annotations: no postponed annotations here.)
         """
-        if self.method != "sleep" and self.noise <= 0:
+        if not self.sleeps:
             return hook
 
         def slowed_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

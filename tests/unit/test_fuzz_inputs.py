@@ -106,7 +106,10 @@ def _resolve(command: str, argv: list[str]) -> str:
         from poise.pipeline.worker import check_config
 
         check_config(config, config.train.batch_size)
-    _preflight(config)
+    try:
+        _preflight(config)
+    except Exception as exc:  # a ValueError here is no refusal: the CLI accepted what a worker cannot use
+        raise AssertionError(f"accepted, but every worker would fail: {type(exc).__name__}: {exc}") from None
     return "resolved"
 
 
@@ -126,6 +129,42 @@ def _preflight(config: Any) -> None:
 def test_train_arguments(data):
     argv = _argv(data, _options(_subparser("train")))
     _check(run_bounded(_resolve, "train", argv, timeout_s=TIMEOUT_S), argv)
+
+
+def _edges() -> list[str]:
+    """Every setting given alone each edge value: what the CLI accepts that a worker cannot use,
+    or what escapes as another exception than a one-line ValueError."""
+    from poise.cli.flags import _fields, resolve
+
+    parser = build_parser()
+    wrong = []
+    for key in sorted(_fields()):
+        for value in [*NUMBERS, "", "abc", "-99999999999999999999999"]:
+            try:
+                config = resolve(parser.parse_args(["train", "--task", "digits", f"--{key}={value}"]))
+            except ValueError as exc:
+                if not one_line(str(exc)):
+                    wrong.append(f"--{key}={value}: a refusal of several lines: {exc!r}")
+                continue
+            except SystemExit as exc:
+                if exc.code != 2:
+                    wrong.append(f"--{key}={value}: exit {exc.code}")
+                continue
+            except Exception as exc:  # anything else that escaped
+                wrong.append(f"--{key}={value}: {type(exc).__name__}: {exc}")
+                continue
+            try:
+                _preflight(config)
+            except Exception as exc:  # accepted, but a worker cannot use it
+                wrong.append(f"--{key}={value}: accepted, then in every worker {type(exc).__name__}: {exc}")
+    return wrong
+
+
+def test_every_setting_at_its_edges():
+    # every setting, not a sample: nan, inf, -1, 0, 1e300, 10^23, 2^32... each alone
+    outcome = run_bounded(_edges, timeout_s=60)
+    wrong = outcome.value if isinstance(outcome.value, list) else []
+    assert outcome.kind == "ok" and not wrong, outcome.describe() + "\n".join(wrong)
 
 
 @settings(FUZZ, max_examples=15)

@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import io
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -187,6 +188,50 @@ def test_plan_arguments(data):
         argv = ["--params", "1e8", *argv]
     with tempfile.TemporaryDirectory() as out:
         _check(run_bounded(_plan, argv, out, timeout_s=TIMEOUT_S), argv)
+
+
+_PLAN_NUMBERS = ("--nodes", "--procs-per-node", "--nics-per-node", "--params", "--vocab-size", "--step-s",
+                 "--optimizer-s", "--tokens-per-step", "--peak-flops", "--mfu", "--max-loss-increase", "--top",
+                 "--bucket-mb", "--link", "--latency", "--intra", "--intra-latency", "--mem-bw")
+
+
+def _plan_edges(out: str) -> list[str]:
+    """Each of poise plan's number flags given each edge value: a refusal must be one line, and
+    a plan it makes must predict finite, positive seconds in every row (``--step-s nan`` once
+    predicted 0 s everywhere)."""
+    import contextlib
+    import io as io_
+
+    wrong = []
+    plan_json = Path(out) / "plan.json"
+    for flag in _PLAN_NUMBERS:
+        for value in [*NUMBERS, "", "abc", "1gbit", "5us"]:
+            plan_json.unlink(missing_ok=True)
+            err = io_.StringIO()
+            argv = ["plan", "--params", "1e8", "--link", "10gbit", f"{flag}={value}", "--codecs", "none,fp16",
+                    "--collectives", "flat,tree", "--bucket-mb", "25", "--json", "--out", out]
+            with contextlib.redirect_stdout(io_.StringIO()), contextlib.redirect_stderr(err):
+                try:
+                    code = main(argv)
+                except SystemExit as exc:
+                    code = exc.code
+            if code == 2:
+                if not one_line(err.getvalue()):
+                    wrong.append(f"{flag}={value}: a refusal of several lines: {err.getvalue()!r}")
+            elif code != 0:
+                wrong.append(f"{flag}={value}: exit {code}")
+            else:
+                rows = json.loads(plan_json.read_text())["rows"]
+                if not rows or not all(math.isfinite(r["step_s"]) and r["step_s"] > 0 for r in rows):
+                    wrong.append(f"{flag}={value}: accepted, predicts {[r['step_s'] for r in rows][:4]} s")
+    return wrong
+
+
+def test_every_plan_number_at_its_edges():
+    with tempfile.TemporaryDirectory() as out:
+        outcome = run_bounded(_plan_edges, out, timeout_s=90)
+    wrong = outcome.value if isinstance(outcome.value, list) else []
+    assert outcome.kind == "ok" and not wrong, outcome.describe() + "\n".join(wrong)
 
 
 def _busbw_prepare(argv: list[str]) -> str:

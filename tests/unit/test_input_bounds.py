@@ -280,7 +280,7 @@ def test_config_paths_that_are_no_config_file_are_refused(tmp_path, make):
 
 
 def test_a_timeline_with_a_non_finite_count_is_refused(tmp_path, capsys):
-    # found by test_fuzz_inputs: an inf in 'skipped' ended nonfinite_steps in OverflowError
+    # found by test_fuzz_files: an inf in 'skipped' ended nonfinite_steps in OverflowError
     table = np.zeros((2, 3, len(FIELDS)))
     table[1, 2, FIELDS.index("skipped")] = np.inf
     _run_dir(tmp_path, {"steps": 3})

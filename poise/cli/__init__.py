@@ -19,7 +19,9 @@ class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (no usage dump) and exit with code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        # one line even when argparse repeats a value that holds a line break
+        one_line = message.replace("\n", "\\n").replace("\r", "\\r")
+        sys.stderr.write(f"{self.prog}: error: {one_line}\n")
         sys.exit(USAGE_ERROR)
 
 

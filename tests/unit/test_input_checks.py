@@ -131,3 +131,11 @@ def test_non_finite_gradients_stop_training_with_on_nonfinite_error():
     for p in model.parameters():
         p.grad = torch.full_like(p, math.inf)
     assert clip_and_step(model, optimizer, scheduler, 1.0, 8, "skip", 1) is True
+
+
+def test_a_value_with_a_line_break_is_still_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["train", "--bogus", "a\nb"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a\\nb" in err

@@ -11,11 +11,29 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` is when it writes: a handler
+    bound to the stream of its set-up would write to a closed one once that stream was
+    replaced (a test's capture, a redirected stream) and print "--- Logging error ---"."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        """The stream is always the current ``sys.stderr``: nothing to set."""
 
 
 def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
@@ -24,7 +42,7 @@ def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
     Ranks other than 0 log warnings and errors only: their progress would repeat rank 0's.
     """
     tag = "" if rank is None else f"[rank {rank}] "
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter(tag + _FORMAT, datefmt="%H:%M:%S"))
     logger = logging.getLogger("poise")
     logger.handlers[:] = [handler]

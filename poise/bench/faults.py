@@ -324,13 +324,6 @@ def _kill_node(job: Job, node: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_positive(args, "runs", "timeout_s_collective", "run_timeout_s")
-    if args.minutes < 0 or args.minutes != args.minutes:
-        raise ValueError(f"--minutes={args.minutes} must be positive (or 0: no soak)")
-    if args.minutes > 0:
-        from poise.bench import soak
-
-        given = [k.strip() for k in args.kinds.split(",") if k.strip()]
-        return soak.run(args, list(soak.SOAK_KINDS) if args.kinds == ",".join(KINDS) else given)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:

@@ -36,7 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from poise.bench.harness import output_dir, save_results, show_table
+from poise.bench import faults
+from poise.bench.faults import KINDS, Job, _job_flags
+from poise.bench.harness import output_dir, require_positive, save_results, show_table
 from poise.log import make_console
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,6 @@ def _progress(out: Path) -> int:
 def run_for(args: argparse.Namespace, out: Path, minutes: float, faults: list[Fault]) -> dict[str, Any]:
     """Run the soak job into ``out`` for ``minutes`` from its first step, injecting ``faults``;
     its counts (see the module doc) and ``first_step_s``/``trained_s`` (seconds)."""
-    from poise.bench.faults import Job, _job_flags
     from poise.launch.processes import end_tree
 
     flags = [*_job_flags(args, out), "--max-restarts", "1000"]
@@ -174,6 +175,17 @@ def stop(job: Any, grace_s: float) -> bool:
         end_tree(job.proc)
     job.wait(float("inf"))  # closes its log
     return hung
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``poise bench faults``: the soak when ``--minutes`` is given, else the fault runs."""
+    if args.minutes < 0 or args.minutes != args.minutes:
+        raise ValueError(f"--minutes={args.minutes} must be positive (or 0: no soak)")
+    if args.minutes == 0:
+        return faults.run(args)
+    require_positive(args, "runs", "timeout_s_collective", "run_timeout_s")
+    given = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    return run(args, list(SOAK_KINDS) if args.kinds == ",".join(KINDS) else given)
 
 
 def run(args: argparse.Namespace, kinds: list[str]) -> int:

@@ -19,6 +19,7 @@ from poise.bench import (
     partition,
     plan,
     scaling,
+    soak,
     stragglers,
 )
 
@@ -27,6 +28,8 @@ FAMILIES: dict[str, ModuleType] = {
     "checkpoint": checkpoint, "diagnose": diagnose, "faults": faults, "plan": plan,
     "stragglers": stragglers,
 }
+# a family whose command runs more than its module's run(): faults with --minutes is the soak
+RUNS = {"faults": soak.run_bench}
 
 
 def add_parser(sub: Any) -> None:
@@ -37,4 +40,4 @@ def add_parser(sub: Any) -> None:
         family = families.add_parser(name, help=module.HELP.replace("%", "%%"),
                                      description=module.__doc__.splitlines()[0].replace("%", "%%"))
         module.add_arguments(family)
-        family.set_defaults(run=module.run)
+        family.set_defaults(run=RUNS.get(name, module.run))

@@ -46,7 +46,7 @@ def test_the_dry_run_writes_every_phase_into_one_json(tmp_path):
         assert isinstance(probe[key], float)
     assert probe["target_pct"] == 1.0 and isinstance(probe["meets_target"], bool)
     assert probe["session_report"]["steps"] == probe["rounds"] * (probe["warmup_steps"] + probe["steps_per_round"])
-    assert result["elapsed_s"] > 0 and result["started_utc"].endswith("Z")
+    assert isinstance(result["elapsed_s"], float) and result["started_utc"].endswith("Z")  # recorded, not judged
 
 
 def test_the_test_phase_names_failures_and_counts_skips(tmp_path):

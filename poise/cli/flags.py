@@ -36,6 +36,7 @@ ALIASES = {
     "--rank-speed": "emulate.rank_speed",
     "--codec": "comm.codec",
     "--straggler": "straggler.mode",
+    "--sync": "sync.mode",
     "--delay": "emulate.delay",
     "--topk-ratio": "comm.topk_ratio",
     "--collective": "comm.collective",

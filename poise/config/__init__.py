@@ -10,7 +10,7 @@ Units are part of field names (``_s`` seconds, ``_bytes`` bytes, ``_steps`` step
 field's help text lives in its metadata and is reused for ``--help``.
 
 One module per section (``task.py``, ``train.py``, ``dist.py``, ``balance.py``, ``comm.py``,
-``straggler.py``, ``cluster.py``, ``diagnostics.py``, ``metrics.py``, ``emulate.py``,
+``straggler.py``, ``sync.py``, ``cluster.py``, ``diagnostics.py``, ``metrics.py``, ``emulate.py``,
 ``checkpoint.py``, ``pipeline.py``), ``run.py`` for the whole run and its cross-section checks,
 ``fields.py`` for what the sections share, and ``convert.py`` for values in and out (TOML,
 dicts, former keys, the recorded file, the hash). The config imports nothing of poise but
@@ -43,6 +43,7 @@ from poise.config.metrics import MetricsConfig
 from poise.config.pipeline import PARTITION_METHODS, PIPELINE_SCHEDULES, PipelineConfig
 from poise.config.run import SECTIONS, RunConfig
 from poise.config.straggler import STRAGGLER_MODES, StragglerConfig
+from poise.config.sync import OUTER_CODECS, OUTER_MODES, SYNC_MODES, SyncConfig
 from poise.config.task import TASK_NAMES, TaskConfig
 from poise.config.train import TrainConfig
 
@@ -54,10 +55,13 @@ __all__ = [
     "MAX_LOCAL_WORKERS",
     "MAX_NODES",
     "NODE_LOCAL_SETTINGS",
+    "OUTER_CODECS",
+    "OUTER_MODES",
     "PARTITION_METHODS",
     "PIPELINE_SCHEDULES",
     "SECTIONS",
     "STRAGGLER_MODES",
+    "SYNC_MODES",
     "TASK_NAMES",
     "BalanceConfig",
     "CheckpointConfig",
@@ -71,6 +75,7 @@ __all__ = [
     "PipelineConfig",
     "RunConfig",
     "StragglerConfig",
+    "SyncConfig",
     "TaskConfig",
     "TrainConfig",
     "coerce",

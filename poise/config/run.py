@@ -17,6 +17,7 @@ from poise.config.fields import setting
 from poise.config.metrics import MetricsConfig
 from poise.config.pipeline import PipelineConfig
 from poise.config.straggler import StragglerConfig
+from poise.config.sync import SyncConfig
 from poise.config.task import TaskConfig
 from poise.config.train import TrainConfig
 
@@ -32,6 +33,7 @@ class RunConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -45,6 +47,10 @@ class RunConfig:
             raise ValueError(f"train.accum_steps={self.train.accum_steps} with straggler.mode={self.straggler.mode!r} "
                              "(or straggler.delay): a deadline step accumulates its own micro-batches "
                              "(straggler.micro_batches); use accum_steps=1")
+        if self.sync.outer and (self.straggler.enabled or self.emulate.delay or self.comm.local_first):
+            raise ValueError(f"sync.mode={self.sync.mode!r} meets the other ranks every sync.inner_steps steps, not "
+                             f"at every step's deadline: it needs straggler.mode=off (not {self.straggler.mode!r}), no "
+                             "emulate.delay and no comm.local_first")
         if self.comm.codec == "auto" and (self.train.accum_steps != 1 or self.straggler.enabled):
             raise ValueError(f"comm.codec='auto' times whole steps: it needs train.accum_steps=1 (not "
                              f"{self.train.accum_steps}) and straggler.mode=off (not {self.straggler.mode!r})")

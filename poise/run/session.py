@@ -235,7 +235,8 @@ class Session:
         batches = self.sampler.global_batches(position)
         if sync is None:
             sync = (self.steps_done + 1) % self.accum_steps == 0
-        weight = loss_weight(batches, self.rank, self.loss_terms)
+        # an outer strategy trains each rank on its own mean and weighs the ranks at the outer step
+        weight = 1.0 if self.sync.local_loss else loss_weight(batches, self.rank, self.loss_terms)
         step = Step(self._env, index=self.steps_done, epoch=epoch, position=position, indices=batches[self.rank],
                     weight=weight / self.accum_steps, sync=sync)
         step._open(data_s=self._recorder.data_s(handed_s))

@@ -104,6 +104,7 @@ class Step:
         self.indices, self.weight, self.sync = indices, weight, sync
         self.skipped = False
         self.loss: torch.Tensor | None = None
+        self._items: float | None = None  # backward's num_items, if given
         self._marks: StepMarks | None = None
         self._cpu_from = self._thread_cpu_from = 0.0  # process and thread CPU seconds where the step began
 
@@ -174,6 +175,9 @@ class Step:
         mine = float(num_items.detach().sum()) if isinstance(num_items, torch.Tensor) else float(num_items)
         if not mine >= 0:
             raise ValueError(f"step.backward(num_items={mine!r}): give the count of loss terms in the batch, >= 0")
+        self._items = mine
+        if self.env.sync.local_loss:  # each rank's own mean; the outer step weighs the ranks by terms
+            return self.weight
         total = torch.tensor([mine], dtype=torch.float64, device=self.env.device)
         dist.all_reduce(total)
         every = float(total.item())
@@ -199,7 +203,8 @@ class Step:
                     if buckets else "no backward ran")
             raise ValueError(f"step {self.index} ended without step.backward(loss): {what}")
         env.sync.micro_batch(True)  # leave any accumulation context: the next step starts clean
-        env.sync.end_step(self.index)
+        env.sync.end_step(self.index, tokens=m.tokens if self._items is None else self._items,
+                          optimizer_step=self.sync)
         m.end = env.clock.mark()
         m.cpu_s = time.process_time() - self._cpu_from
         for listener in env.listeners:

@@ -48,6 +48,9 @@ class AllReduce:
             not suit the codec.
     """
 
+    local_loss = False
+    replicas_agree = True
+
     def __init__(self, model: nn.Module, config: CommConfig, *, clock: Clock, backend: str,
                  compression_start: int, outer: Sequence[HookWrapper] = (),
                  inner: Sequence[HookWrapper] = ()) -> None:
@@ -112,7 +115,7 @@ class AllReduce:
         finally:
             self._expected = False
 
-    def end_step(self, index: int) -> None:
+    def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
         """Nothing: every step's gradient was reduced in its backward."""
 
     def between_steps(self) -> bool:
@@ -138,6 +141,9 @@ class AllReduce:
 
     def load_shared_state_dict(self, state: dict[str, Any]) -> None:
         self.state.load_shared_state_dict(state)
+
+    def summary(self) -> dict[str, Any]:
+        return {"mode": "step"}
 
 
 def _refuse_outside(hook: CommHook, expected: Callable[[], bool]) -> CommHook:

@@ -11,16 +11,22 @@ Every way poise synchronizes ranks is an implementation of :class:`Sync`, and th
    (``no_sync``; FSDP2's ``set_requires_gradient_sync``).
 4. :meth:`Sync.backward` runs the step's backward, and with it the hooks the constructor
    registered (codec, collective, probe); a reduction outside it is refused.
-5. :meth:`Sync.end_step` after the optimizer step: where an outer step goes (local SGD,
-   DiLoCo: no communication for H inner steps, then an all-reduce of parameter deltas and an
-   outer optimizer step).
+5. :meth:`Sync.end_step` after the optimizer step, told the tokens this rank trained in the
+   step: where an outer step goes (local SGD, DiLoCo: no communication for H inner steps,
+   then an all-reduce of the token-weighted parameter change and an outer optimizer step;
+   ``poise/sync/outer.py``).
 6. :meth:`Sync.between_steps` after the step is recorded: work outside any step
    (``comm.codec=auto``'s dry runs), whose seconds belong to no step.
 
 State for checkpoints (:meth:`state_dict`, and the part every rank shares) and the step's
-traffic (:meth:`traffic`) complete it. Implementations: :class:`poise.sync.AllReduce` (DDP
-plus a codec over a collective, ``auto`` included) and :class:`poise.sync.Deadline` (deadline
-steps, composed over an ``AllReduce``). ``docs/design.md`` draws the call points.
+traffic (:meth:`traffic`) complete it. Two flags tell the session how to treat it:
+``local_loss`` (each rank trains on its own mean loss, so the step does not weight it by the
+rank's share of the step's batch) and ``replicas_agree`` (False: the ranks' parameters and
+optimizer states differ between outer steps, so a checkpoint keeps each rank's own).
+Implementations: :class:`poise.sync.AllReduce` (DDP plus a codec over a collective, ``auto``
+included), :class:`poise.sync.Deadline` (deadline steps, composed over an ``AllReduce``) and
+:class:`poise.sync.Outer` (local SGD, DiLoCo, Streaming DiLoCo, composed over DDP's
+``no_sync``). ``docs/design.md`` draws the call points.
 """
 
 from __future__ import annotations
@@ -42,10 +48,14 @@ class Sync(Protocol):
         model: the model as the constructor wrapped it (what the user's forward calls).
         probe: marks of when each gradient bucket was handed over and reduced this step
             (the split of backward into compute and communication).
+        local_loss: each rank's loss is its own batch's mean, unweighted (see module doc).
+        replicas_agree: every rank holds the same parameters after each optimizer step.
     """
 
     model: nn.Module
     probe: BucketProbe
+    local_loss: bool
+    replicas_agree: bool
 
     def begin_step(self, index: int) -> None:
         """A step opens (``index``: steps before it); zero the per-step counters."""
@@ -58,8 +68,9 @@ class Sync(Protocol):
         reduction outside it (a plain ``loss.backward()``) is refused with one line before the
         optimizer can apply an unweighted gradient."""
 
-    def end_step(self, index: int) -> None:
-        """After the optimizer step of step ``index`` (an outer step would run here)."""
+    def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
+        """After step ``index`` (and its optimizer step, if ``optimizer_step``), in which this
+        rank trained ``tokens`` loss terms: an outer step runs here when one is due."""
 
     def between_steps(self) -> bool:
         """Work outside any step, run on every rank after each step; True if it ran anything."""
@@ -81,6 +92,9 @@ class Sync(Protocol):
 
     def load_shared_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`shared_state_dict` (this rank's own part starts fresh)."""
+
+    def summary(self) -> dict[str, Any]:
+        """What the report says of the strategy (mode, outer steps, an automatic choice and why)."""
 
 
 __all__ = ["Sync"]

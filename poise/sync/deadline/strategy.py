@@ -39,6 +39,9 @@ class Deadline:
         pauses: waits outside forward and backward (emulated delays), or None.
     """
 
+    local_loss = False
+    replicas_agree = True
+
     def __init__(self, model: nn.Module, comm: CommConfig, config: StragglerConfig, *, clock: Clock,
                  backend: str, compression_start: int, rank: int, world_size: int, costs: np.ndarray,
                  loss_terms: np.ndarray | None, device: torch.device, seed: int = 0,
@@ -71,8 +74,8 @@ class Deadline:
     def backward(self, run: Callable[[], None]) -> None:
         self.inner.backward(run)
 
-    def end_step(self, index: int) -> None:
-        self.inner.end_step(index)
+    def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
+        self.inner.end_step(index, tokens=tokens, optimizer_step=optimizer_step)
 
     def between_steps(self) -> bool:
         return self.inner.between_steps()
@@ -94,6 +97,9 @@ class Deadline:
 
     def load_shared_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_shared_state_dict(state)
+
+    def summary(self) -> dict[str, Any]:
+        return {"mode": "step", "straggler": True}
 
 
 def zero_backward(model: DistributedDataParallel) -> None:

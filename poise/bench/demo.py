@@ -1,20 +1,25 @@
 """``poise demo``: what poise changes, in one command (``make demo``), in a few minutes on 2 cores.
 
-Real ``poise train`` jobs, side by side, each a pair of a baseline and poise:
+Real ``poise train`` jobs, side by side, in comparisons: a baseline first, then the runs measured
+against it.
 
 1. **A slow rank.** code-lm on 2 workers with rank 1 emulated at half speed
-   (``--rank-speed 1:0.5``): static sharding (torch's DistributedSampler, what plain DDP does)
-   against poise's dynamic balancing (cost-budget steps, re-planned from measured speeds).
-   Then ``poise diagnose run`` on the static run, which names the slow rank.
+   (``--rank-speed 1:0.5``), three runs: static sharding (torch's DistributedSampler, what plain
+   DDP does), ``--balance cost`` (steps of similar-length samples split by predicted cost: length
+   bucketing, no speed re-planning) and ``--balance dynamic`` (cost, re-planned from the ranks'
+   measured speeds). cost / static is what length bucketing gives, dynamic / cost what
+   speed-aware re-planning adds on top. Then ``poise diagnose run`` on the static run, which
+   names the slow rank.
 2. **A slow network** (needs root, ``ip`` and ``tc``; elsewhere one line says why it is
    skipped). A two-node emulated cluster behind 1 Gbit/s links (``--cluster 2:1 --link
    1gbit``) trains the widened model of ``poise bench network``: plain DDP (``--codec none``)
    against a compressed run (:data:`COMPRESSED_FLAGS`).
 
 It ends with one comparison table (balance, idle share, tokens/s, median step, eval loss,
-bytes per step; poise / baseline as ratios), ``compare.png`` (the runs' per-rank timelines
-side by side) and ``demo.json``, and prints where they are. Figures are what this machine
-measured in this invocation; nothing is precomputed.
+bytes per step; ratio rows: each run over the baseline, and each run after the second over the
+one before it), a line crediting the slow-rank gain to its two causes, ``compare.png`` (the
+runs' per-rank timelines side by side) and ``demo.json``, and prints where they are. Figures are
+what this machine measured in this invocation; nothing is precomputed.
 """
 
 from __future__ import annotations
@@ -36,12 +41,13 @@ from poise.diagnostics.timeline import load_table
 from poise.log import make_console
 from poise.units import link_rate_bit_per_s
 
-HELP = "what poise changes: static vs balanced with a slow rank, DDP vs compressed over a slow link"
+HELP = ("what poise changes: static vs cost vs dynamic balancing with a slow rank, DDP vs compressed "
+        "over a slow link")
 
-# The compressed run of the network pair: poise train flags (the codec and its settings).
+# The compressed run of the network comparison: poise train flags (the codec and its settings).
 COMPRESSED_FLAGS: tuple[str, ...] = ("--codec", "powersgd")
 
-# The slow-rank pair: code-lm on 2 local workers, rank 1 at this speed (1 = full speed).
+# The slow-rank comparison: code-lm on 2 local workers, rank 1 at this speed (1 = full speed).
 SLOW_RANK, SLOW_SPEED = 1, 0.5
 # held-out samples evaluated at the end of each balance run: enough for a stable eval loss,
 # a quarter of the default's seconds
@@ -49,16 +55,29 @@ EVAL_SAMPLES = 128
 
 
 @dataclass(frozen=True)
-class Pair:
-    """A comparison: a baseline job and the poise job that is measured against it."""
+class Run:
+    """One job of a comparison."""
 
-    key: str  # short name, the prefix of the two run directories
+    name: str  # short name: the run directory's suffix and the run's name in ratio rows
+    label: str  # what the run is, for the table and the plot
+    flags: list[str]  # poise train flags
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Runs of one setting side by side; ``runs[0]`` is the baseline the others are measured against."""
+
+    key: str  # short name, the prefix of the run directories
     title: str  # what is compared, for the table and the plot
-    baseline: tuple[str, list[str]]  # (label, poise train flags)
-    poise: tuple[str, list[str]]
+    runs: tuple[Run, ...]
+
+    def ratios(self) -> list[tuple[int, int]]:
+        """(run, over run) index pairs of the ratio rows: every run over the baseline, then every run
+        after the second over the one before it (what that run adds)."""
+        return [(i, 0) for i in range(1, len(self.runs))] + [(i, i - 1) for i in range(2, len(self.runs))]
 
 
-# (report key, header, formatter); the ratio of every metric is poise / baseline
+# (report key, header, formatter); a ratio row divides a run's figure by another's
 METRICS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("balance", "balance", lambda v: f"{v:.3f}"),
     ("idle_fraction", "idle", lambda v: f"{v:.1%}"),
@@ -76,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network-steps", type=int, default=20, help="steps of each slow-network run")
     parser.add_argument("--link", default="1gbit", help="the emulated cluster's link rate")
     parser.add_argument("--network", choices=("auto", "off"), default="auto",
-                        help="auto: run the slow-network pair where root, ip and tc are available; off: skip it")
+                        help="auto: run the slow-network comparison where root, ip and tc are available; "
+                             "off: skip it")
     parser.add_argument("--slowdown", choices=("sleep", "cgroup", "auto"), default="sleep",
                         help="how rank 1 is slowed (--emulate.slowdown_method): sleeping in proportion to its "
                              "compute holds on a busy machine too; a cgroup CPU quota binds only on an idle one")
@@ -84,24 +104,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("train_args", nargs="*", help="extra 'poise train' flags for every job, after --")
 
 
-def pairs(args: argparse.Namespace) -> list[Pair]:
+def comparisons(args: argparse.Namespace) -> list[Comparison]:
     """The comparisons this invocation runs (the network one only where it can)."""
     slow = ["--task", "code-lm", "--nproc", "2", "--steps", str(args.steps), "--task.eval_max_samples",
             str(EVAL_SAMPLES), "--rank-speed", f"{SLOW_RANK}:{SLOW_SPEED}", "--emulate.slowdown_method",
             args.slowdown]
-    chosen = [Pair("slow-rank", f"rank {SLOW_RANK} at {SLOW_SPEED:g} speed, 2 workers",
-                   ("static sharding", [*slow, "--balance", "static"]),
-                   ("poise balancing", [*slow, "--balance", "dynamic"]))]
+    chosen = [Comparison("slow-rank", f"rank {SLOW_RANK} at {SLOW_SPEED:g} speed, 2 workers", (
+        Run("static", "static sharding", [*slow, "--balance", "static"]),
+        Run("cost", "poise cost (length bucketing)", [*slow, "--balance", "cost"]),
+        Run("dynamic", "poise dynamic (+ speed re-planning)", [*slow, "--balance", "dynamic"]),
+    ))]
     if args.network_reason is None:
         link = ["--steps", str(args.network_steps), "--cluster", "2:1", "--link", args.link, *MODEL_ARGS]
-        chosen.append(Pair("slow-link", f"2 nodes over {args.link} links",
-                           ("plain DDP", [*link, "--codec", "none"]),
-                           (f"poise {' '.join(COMPRESSED_FLAGS).replace('--codec ', '')}", [*link, *COMPRESSED_FLAGS])))
+        codec = " ".join(COMPRESSED_FLAGS).replace("--codec ", "")
+        chosen.append(Comparison("slow-link", f"2 nodes over {args.link} links", (
+            Run("ddp", "plain DDP", [*link, "--codec", "none"]),
+            Run("compressed", f"poise {codec}", [*link, *COMPRESSED_FLAGS]),
+        )))
     return chosen
 
 
 def network_reason(mode: str) -> str | None:
-    """Why the slow-network pair cannot run here (one line), or None when it can."""
+    """Why the slow-network comparison cannot run here (one line), or None when it can."""
     if mode == "off":
         return "--network off"
     try:
@@ -119,41 +143,49 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.network_reason = network_reason(args.network)
-    chosen = pairs(args)
-    total = 2 * len(chosen)
+    chosen = comparisons(args)
+    total = sum(len(c.runs) for c in chosen)
     console.print(f"[bold]poise demo[/]: {total} real training jobs, side by side; outputs in {out}/")
     if args.network_reason is not None:
-        console.print(f"slow-network pair skipped: {args.network_reason}", highlight=False)
+        console.print(f"slow-network comparison skipped: {args.network_reason}", highlight=False)
     results: list[dict[str, Any]] = []
     diagnosis: dict[str, Any] | None = None
-    for pair in chosen:
-        for role, (label, flags) in (("baseline", pair.baseline), ("poise", pair.poise)):
-            name = f"{pair.key}-{role}"
+    for comparison in chosen:
+        for index, job in enumerate(comparison.runs):
+            name = f"{comparison.key}-{job.name}"
             count = len(results) + 1
-            with console.status(f"[{count}/{total}] {pair.title}: {label} ..."):
+            with console.status(f"[{count}/{total}] {comparison.title}: {job.label} ..."):
                 job_started = time.perf_counter()
-                report = run_train_job(name, out, [*flags, *args.train_args, "--overwrite"], args.timeout_s)
+                report = run_train_job(name, out, [*job.flags, *args.train_args, "--overwrite"], args.timeout_s)
             wall_s = time.perf_counter() - job_started
-            console.print(f"[{count}/{total}] {pair.title}: {label}: {wall_s:.0f} s, balance {report['balance']:.3f}, "
-                          f"{report['throughput_tokens_per_s']:,.0f} tokens/s", highlight=False)
-            results.append({"pair": pair.key, "comparison": pair.title, "role": role, "run": label,
+            console.print(f"[{count}/{total}] {comparison.title}: {job.label}: {wall_s:.0f} s, "
+                          f"balance {report['balance']:.3f}, {report['throughput_tokens_per_s']:,.0f} tokens/s",
+                          highlight=False)
+            results.append({"comparison": comparison.key, "title": comparison.title,
+                            "role": "run" if index else "baseline", "name": job.name, "run": job.label,
                             "dir": str(out / name), "wall_s": wall_s,
                             **{key: float(report[key]) for key, _, _ in METRICS}})
-        if pair.key == "slow-rank":
-            diagnosis = show_diagnosis(console, out / f"{pair.key}-baseline")
-    rows = comparison_rows(results)
+        if comparison.key == "slow-rank":
+            diagnosis = show_diagnosis(console, out / f"{comparison.key}-{comparison.runs[0].name}")
+    rows = comparison_rows(chosen, results)
     show_comparison(console, rows)
+    credit = credit_line(rows)
+    if credit:
+        console.print(credit, highlight=False)
+    groups: list[tuple[int, ...]] = []
+    for comparison in chosen:
+        start = sum(len(g) for g in groups)
+        groups.append(tuple(range(start, start + len(comparison.runs))))
     png = plot_timelines(
-        [(f"{r['comparison']}\n{r['run']}: {r['median_step_s'] * 1e3:,.0f} ms/step, balance {r['balance']:.2f}",
+        [(f"{r['title']}\n{r['run']}\n{r['median_step_s'] * 1e3:,.0f} ms/step, balance {r['balance']:.2f}",
           load_table(Path(r["dir"]) / "timeline.npz")) for r in results],
-        out / "compare.png", title="poise demo: per-rank seconds per step, each baseline beside poise",
-        pairs=[(i, i + 1) for i in range(0, len(results), 2)])
+        out / "compare.png", title="poise demo: per-rank seconds per step, the runs of a comparison side by side",
+        pairs=groups)
     wall_s = time.perf_counter() - started
     save_results(out, "demo", {"wall_s": wall_s, "network_skipped": args.network_reason, "runs": results,
-                               "ratios": [r for r in rows if r["role"] == "ratio"], "diagnosis": diagnosis,
-                               "compressed_flags": list(COMPRESSED_FLAGS),
-                               "flags": {f"{p.key}-{role}": flags for p in chosen
-                                         for role, (_, flags) in (("baseline", p.baseline), ("poise", p.poise))}})
+                               "ratios": [r for r in rows if r["role"] == "ratio"], "credit": credit,
+                               "diagnosis": diagnosis, "compressed_flags": list(COMPRESSED_FLAGS),
+                               "flags": {f"{c.key}-{job.name}": job.flags for c in chosen for job in c.runs}})
     console.print(f"wrote {png}  (the runs' timelines side by side)")
     for r in results:
         console.print(f"  {r['dir']}/  {r['run']}: report.json, trace.json (open in https://ui.perfetto.dev), "
@@ -176,31 +208,57 @@ def show_diagnosis(console: Any, run_dir: Path) -> dict[str, Any]:
     return straggler.to_dict()
 
 
-def comparison_rows(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each pair's baseline and poise rows, then a ratio row: poise / baseline for every metric
-    (None where the baseline's figure is 0, e.g. no idle time at all)."""
+def comparison_rows(chosen: Sequence[Comparison], results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each comparison's run rows, then its ratio rows (:meth:`Comparison.ratios`): one run's figure
+    over another's for every metric (None where the divisor is 0, e.g. no idle time at all).
+    ``results``: the run rows, in the order of the comparisons' runs."""
     rows: list[dict[str, Any]] = []
-    for baseline, poise in zip(results[0::2], results[1::2], strict=True):
-        ratio = {key: (poise[key] / baseline[key] if baseline[key] else None) for key, _, _ in METRICS}
-        rows += [baseline, poise, {"pair": poise["pair"], "comparison": "", "role": "ratio",
-                                   "run": "poise / baseline", **ratio}]
+    start = 0
+    for comparison in chosen:
+        runs = results[start:start + len(comparison.runs)]
+        start += len(comparison.runs)
+        if [r["name"] for r in runs] != [job.name for job in comparison.runs]:
+            raise ValueError(f"comparison_rows: the results do not match the runs of {comparison.key!r}")
+        rows += runs
+        for i, j in comparison.ratios():
+            top, bottom = runs[i], runs[j]
+            rows.append({"comparison": comparison.key, "title": "", "role": "ratio", "of": top["name"],
+                         "over": bottom["name"], "run": f"{top['name']} / {bottom['name']}",
+                         **{key: (top[key] / bottom[key] if bottom[key] else None) for key, _, _ in METRICS}})
+    if start != len(results):
+        raise ValueError(f"comparison_rows: {len(results)} results for {start} runs")
     return rows
 
 
+def credit_line(rows: Sequence[dict[str, Any]]) -> str:
+    """Where the slow-rank gain in tokens/s comes from, in one line: length bucketing (cost over
+    static) and speed-aware re-planning (dynamic over cost), whose product is dynamic over static.
+    Empty when a ratio is missing."""
+    ratio = {(r["of"], r["over"]): r["throughput_tokens_per_s"] for r in rows
+             if r["role"] == "ratio" and r["comparison"] == "slow-rank"}
+    bucketing, replanning = ratio.get(("cost", "static")), ratio.get(("dynamic", "cost"))
+    total = ratio.get(("dynamic", "static"))
+    if bucketing is None or replanning is None or total is None:
+        return ""
+    return (f"where the slow-rank gain in tokens/s comes from: length bucketing (cost) {bucketing:.2f}x static's, "
+            f"speed-aware re-planning (dynamic) a further {replanning:.2f}x, {total:.2f}x in all")
+
+
 def show_comparison(console: Any, rows: Sequence[dict[str, Any]]) -> None:
-    """The comparison table: one row per run and a ratio row per pair."""
+    """The comparison table: one row per run, then each comparison's ratio rows."""
     from rich.table import Table
 
-    table = Table(title="poise demo: poise against the baseline")
+    table = Table(title="poise demo: each comparison's runs, and their ratios")
     table.add_column("comparison")
     table.add_column("run")
     for _, header, _ in METRICS:
         table.add_column(header, justify="right")
-    for row in rows:
+    for n, row in enumerate(rows):
+        last = n + 1 == len(rows) or rows[n + 1]["comparison"] != row["comparison"]
         if row["role"] == "ratio":
             cells = ["-" if row[key] is None else f"{row[key]:.2f}x" for key, _, _ in METRICS]
-            table.add_row("", f"[bold]{row['run']}[/]", *(f"[bold]{c}[/]" for c in cells), end_section=True)
+            table.add_row("", f"[bold]{row['run']}[/]", *(f"[bold]{c}[/]" for c in cells), end_section=last)
         else:
-            table.add_row(row["comparison"] if row["role"] == "baseline" else "", row["run"],
-                          *(fmt(row[key]) for key, _, fmt in METRICS))
+            table.add_row(row["title"] if row["role"] == "baseline" else "", row["run"],
+                          *(fmt(row[key]) for key, _, fmt in METRICS), end_section=last)
     console.print(table)

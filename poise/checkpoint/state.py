@@ -11,7 +11,8 @@ A state has three parts, by who owns them:
   per-rank part (:data:`RANK_KEYS`: the comm hook's state with its error-feedback residuals,
   the re-planner's window of this rank's measurements), and, for a checkpoint inside a
   gradient-accumulation window, this rank's gradients summed so far (not yet reduced: they
-  differ per rank).
+  differ per rank); under outer-step sync (local SGD, DiLoCo), whose ranks' optimizers differ,
+  also this rank's optimizer state.
 
 :func:`fit_problems` compares a saved state with the run about to use it (config settings
 that shape the model, optimizer and data; parameter names and shapes) before anything is
@@ -161,6 +162,9 @@ def rank_problem(per_rank: Any, step: int) -> str:
     session = per_rank.get("session")
     if not isinstance(session, dict) or not set(RANK_KEYS) <= set(session):
         return f"session lacks one of {', '.join(RANK_KEYS)}"
+    own_optim = per_rank.get("optim")
+    if own_optim is not None and (not isinstance(own_optim, dict) or not isinstance(own_optim.get("state"), dict)):
+        return "optim is not an optimizer state"
     grads = per_rank.get("grads")
     if grads is not None and (not isinstance(grads, dict)
                               or not all(isinstance(g, torch.Tensor) for g in grads.values())):
@@ -279,8 +283,10 @@ def capture(
         "session": {k: v for k, v in session_state.items() if k not in RANK_KEYS},
     }
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None} if in_window else {}
+    # outer-step sync: each rank's optimizer state is its own (the parameters are in the session's part)
+    own_optim = None if session_state.get("replicas_agree", True) else {"state": optim["state"]}
     per_rank = {"step": step, "rng": rng_state(), "session": {k: session_state[k] for k in RANK_KEYS},
-                "grads": grads or None}
+                "grads": grads or None, "optim": own_optim}
     shared["in_window"] = bool(grads)
     return TrainingState(tensors, shared, per_rank)
 
@@ -305,6 +311,9 @@ def restore(
     for key, value in state.shared["optim_scalars"].items():
         index, name = key.split("/", 1)
         per_param.setdefault(int(index), {})[name] = value
+    own = state.per_rank.get("optim") if state.per_rank else None
+    if own is not None:  # outer-step sync: this rank's own optimizer state, not rank 0's
+        per_param = own["state"]
     optimizer.load_state_dict({"state": per_param, "param_groups": state.shared["optim_groups"]})
     scheduler.load_state_dict(state.shared["scheduler"])
     mine = state.per_rank["session"] if state.per_rank else {"rank": -1, "window": None, "comm": None}

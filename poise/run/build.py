@@ -20,7 +20,15 @@ from poise.balance import BalancedBatchSampler
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner, load_replans
 from poise.comm import registry
-from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, EmulateConfig, MetricsConfig, StragglerConfig
+from poise.config import (
+    BalanceConfig,
+    CommConfig,
+    DiagnosticsConfig,
+    EmulateConfig,
+    MetricsConfig,
+    StragglerConfig,
+    SyncConfig,
+)
 from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import Timeline
@@ -29,7 +37,7 @@ from poise.run.data import Data, Sampler, plan_sampler
 from poise.run.record import Recorder
 from poise.runtime import memory
 from poise.runtime.clock import Clock, clock_for
-from poise.sync import AllReduce, Deadline, Sync
+from poise.sync import AllReduce, Deadline, Outer, Sync
 
 
 @dataclass
@@ -54,8 +62,8 @@ class Parts:
 
 
 def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommConfig, straggler: StragglerConfig,
-          emulate: EmulateConfig, diagnostics: DiagnosticsConfig, metrics: MetricsConfig | None,
-          keep_freed_memory: bool | None) -> Parts:
+          sync_config: SyncConfig, emulate: EmulateConfig, diagnostics: DiagnosticsConfig,
+          metrics: MetricsConfig | None, keep_freed_memory: bool | None) -> Parts:
     """The parts of one rank's session (every rank calls it alike: it makes process groups).
 
     Raises:
@@ -72,6 +80,10 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
                          "twice the learning-rate warm-up, so give Data(total_steps=...) (optimizer steps; and "
                          "lr_warmup_steps=...), or CommConfig(start_step=N) to say when yourself")
     deadline = straggler.enabled or bool(emulate.delay)
+    if sync_config.outer and (deadline or comm.local_first):
+        raise ValueError(f"sync.mode={sync_config.mode!r} meets the other ranks every few steps, not at every step's "
+                         f"deadline: it needs straggler='off' (not {straggler.mode!r}), no emulated delays and no "
+                         "comm.local_first")
     if deadline and data.accum_steps != 1:
         raise ValueError(f"accum_steps={data.accum_steps} with straggler.mode={straggler.mode!r} (or delays): "
                          "a deadline step accumulates its own micro-batches (straggler.micro_batches); "
@@ -99,8 +111,10 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     start = registry.compression_start(comm, data.total_steps or 0, data.lr_warmup_steps)
     common: dict[str, Any] = {"clock": clock, "backend": backend, "compression_start": start,
                               "outer": [emulation.slowdown.wrap_hook]}
-    sync: AllReduce | Deadline
-    if deadline:
+    sync: AllReduce | Deadline | Outer
+    if sync_config.outer:
+        sync = Outer(model, comm, sync_config, world_size=world_size, last_step=data.total_steps, **common)
+    elif deadline:
         cost = getattr(sampler, "cost_fn", None)
         costs = np.asarray(cost(sampler.lengths) if cost is not None else sampler.lengths, dtype=np.float64)
         sync = Deadline(model, comm, straggler, rank=rank, world_size=world_size, costs=costs, loss_terms=loss_terms,

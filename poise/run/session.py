@@ -47,6 +47,7 @@ from poise.balance.replay import ReplayedPartitioner
 from poise.balance.weights import loss_weight
 from poise.comm.trial import CodecTrial
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, EmulateConfig, MetricsConfig, StragglerConfig
+from poise.config.sync import SyncConfig
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import StepRecord
@@ -80,6 +81,10 @@ class Session:
             step's shared deadline; samples it did not reach go back into the epoch's plan
             (``poise/sync/deadline/``). Steps then run with ``for step, micro_batches in
             session.steps(loader)``.
+        sync: how often the ranks' models meet: ``step`` (every step, DDP), ``local_sgd``,
+            ``diloco``, ``streaming`` (an outer step every ``inner_steps``: no all-reduce in
+            between; ``poise/sync/outer.py``), ``auto`` (chosen from timings), or a
+            :class:`~poise.config.SyncConfig`.
         emulate: emulated slowness for trying poise on one machine: a ``RANK:SPEED,...`` string
             (``"1:0.5"``: rank 1 at half speed) or an :class:`~poise.config.EmulateConfig`
             (speed noise, injected delays, a planned kill, a slow input pipeline). None: none.
@@ -105,18 +110,20 @@ class Session:
 
     def __init__(self, model: nn.Module, data: Data | Sampler, *, balance: str | BalanceConfig = "cost",
                  comm: str | CommConfig = "none", straggler: str | StragglerConfig = "off",
-                 emulate: str | EmulateConfig | None = None, diagnostics: DiagnosticsConfig | None = None,
-                 metrics: MetricsConfig | None = None, out_dir: str | Path | None = None,
-                 keep_freed_memory: bool | None = None) -> None:
+                 sync: str | SyncConfig = "step", emulate: str | EmulateConfig | None = None,
+                 diagnostics: DiagnosticsConfig | None = None, metrics: MetricsConfig | None = None,
+                 out_dir: str | Path | None = None, keep_freed_memory: bool | None = None) -> None:
         self._started_s = time.perf_counter()
         self.data = data if isinstance(data, Data) else Data(sampler=data)
         self.balance = BalanceConfig(strategy=balance) if isinstance(balance, str) else balance
         self.comm = CommConfig(codec=comm) if isinstance(comm, str) else comm
         self.straggler = StragglerConfig(mode=straggler) if isinstance(straggler, str) else straggler
+        self.sync_config = SyncConfig(mode=sync) if isinstance(sync, str) else sync
         self.emulate = EmulateConfig(rank_speed=emulate) if isinstance(emulate, str) else emulate or EmulateConfig()
         self.diagnostics = diagnostics or DiagnosticsConfig()
         self.out_dir = Path(out_dir) if out_dir is not None else None
         parts = build_mod.build(model, self.data, balance=self.balance, comm=self.comm, straggler=self.straggler,
+                                sync_config=self.sync_config,
                                 emulate=self.emulate, diagnostics=self.diagnostics, metrics=metrics,
                                 keep_freed_memory=keep_freed_memory)
         self.rank, self.world_size, self.backend = parts.rank, parts.world_size, parts.backend
@@ -353,6 +360,7 @@ class Session:
             "comm": self.sync.state_dict(),
             "comm_shared": self.sync.shared_state_dict(),
             "straggler": deadline.runner.state_dict() if deadline is not None else None,
+            "replicas_agree": self.sync.replicas_agree,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -431,6 +439,7 @@ class Session:
                     "wall_s": time.perf_counter() - self._started_s,
                     **report_mod.summarize(table, loss_scale=loss_scale),
                     "balance_strategy": self.balance.strategy, "codec": self.comm.codec,
+                    "sync": self.sync.summary(),
                     **run_keys(self._recorder, gathered, compression_start=self.compression_start,
                                trial=self.codec_trial, partitioner=self.partitioner),
                     **(extra or {})}
@@ -443,7 +452,7 @@ class Session:
 
 
 # The keywords of Session.from_kwargs besides Data's fields: the session's own settings.
-SESSION_KEYWORDS = ("balance", "comm", "straggler", "emulate", "diagnostics", "metrics", "out_dir",
+SESSION_KEYWORDS = ("balance", "comm", "straggler", "sync", "emulate", "diagnostics", "metrics", "out_dir",
                     "keep_freed_memory")
 
 __all__ = ["DATA_FIELDS", "SESSION_KEYWORDS", "Data", "DeadlineStep", "Session", "Step"]

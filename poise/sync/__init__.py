@@ -4,5 +4,11 @@
 from poise.sync.allreduce import AllReduce
 from poise.sync.base import Sync
 from poise.sync.deadline import Deadline
+from poise.sync.outer import Outer
 
-__all__ = ["AllReduce", "Deadline", "Sync"]
+__all__ = ["AllReduce", "Deadline", "Outer", "Sync"]
+# the comparison baselines (--sync torch-localsgd, torchft-diloco; torchft is imported only when used)
+from poise.sync.torch_localsgd import TorchLocalSGD
+from poise.sync.torchft_diloco import TorchftDiLoCo
+
+__all__ += ["TorchLocalSGD", "TorchftDiLoCo"]

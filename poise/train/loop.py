@@ -113,6 +113,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     data = Data(sampler=sampler, loss_terms=task.train_targets, seed=tc.seed, accum_steps=tc.accum_steps,
                 total_steps=optimizer_steps, lr_warmup_steps=lr_warmup(tc.warmup_steps, optimizer_steps))
     session = Session(model, data, balance=config.balance, comm=config.comm, straggler=config.straggler,
+                      sync=config.sync,
                       emulate=config.emulate, diagnostics=config.diagnostics, metrics=config.metrics,
                       out_dir=config.out_dir, keep_freed_memory=config.dist.keep_freed_memory)
     trainable = [p for p in session.model.parameters() if p.requires_grad]

@@ -1,0 +1,357 @@
+"""Outer-step synchronization: local SGD, DiLoCo and Streaming DiLoCo, as :class:`Outer`.
+
+Per-step gradient all-reduce cannot run faster than its link: on a slow one the ranks wait for
+the network every step. Synchronizing rarely changes the trade. Each rank trains alone for H
+inner steps (its own optimizer on its own batches: DDP's ``no_sync``, no all-reduce), then the
+ranks meet once in an *outer step* on the change of their parameters since the last one::
+
+    delta_r  = global - local_r                        (rank r's pseudo-gradient)
+    avg      = sum_r w_r delta_r                       (w_r: rank r's share of the round's tokens)
+    m        = mu m + avg                              (outer SGD, Nesterov momentum mu)
+    global  -= lr (avg + mu m)
+    local_r  = global
+
+With ``lr=1, mu=0`` that is parameter averaging (local SGD; with H=1 and an SGD inner optimizer
+it is exactly DDP's step). With Nesterov ``lr=0.7, mu=0.9`` it is DiLoCo (Douillard et al.
+2023: inner AdamW, H in the hundreds, hundreds of times less traffic at matched perplexity).
+Streaming DiLoCo (Douillard et al. 2025) cuts the model into F fragments synchronized in turn,
+one every H/F steps, so the traffic is spread out; each fragment's all-reduce runs in the
+background for ``delay_steps`` (tau) inner steps and its result is then *mixed* into the
+parameters the rank has trained meanwhile: ``local = alpha local + (1 - alpha) global``.
+
+Unequal workers: with ``weighting=tokens`` the average weighs each rank by the loss terms it
+trained in the round, so a rank given fewer samples (poise's balancing gives a slow rank a
+smaller share of each step, and the same number of steps) counts for less, and every sample
+counts once. A rank that trained nothing in a round sends a zero change with weight 0, and no
+rank waits on it beyond the all-reduce itself.
+
+Outer changes can be compressed with poise's codecs (``fp16``, ``bf16``, ``int8``, ``topk``),
+always with error feedback: what a round fails to send is added to the next round's change.
+
+``auto`` times its first ``auto_trial_steps`` steps (each synchronized in full, as local SGD
+with H=1) and chooses: if one full synchronization costs at most ``auto_max_overhead`` of a
+step's compute, every step synchronizes (plain DDP through ``[comm]``); otherwise DiLoCo with the
+fewest inner steps H that keep ``sync_s / (H compute_s)`` within that share. The choice and its
+figures go into the report (``sync`` key).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from poise.comm.codecs import ErrorFeedback, make
+from poise.comm.reducers import make_reducer
+from poise.comm.state import Counters, StepStats
+from poise.comm.trial import CodecTrial
+from poise.config import CommConfig, SyncConfig
+from poise.runtime.clock import Clock
+from poise.sync.allreduce import AllReduce, HookWrapper
+
+log = logging.getLogger(__name__)
+
+# auto never picks fewer inner steps than this for an outer mode, nor more than the cap
+AUTO_MIN_INNER, AUTO_MAX_INNER = 2, 500
+
+
+def fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
+    """Split parameters (their ``sizes``, in model order) into at most ``count`` contiguous
+    groups of about equal size: Streaming DiLoCo's fragments (consecutive layers together).
+    Every group is non-empty; fewer groups than ``count`` when there are fewer parameters."""
+    count = max(1, min(count, len(sizes)))
+    total = sum(sizes)
+    groups: list[list[int]] = [[] for _ in range(count)]
+    done, group = 0, 0
+    for index, size in enumerate(sizes):
+        share = int(done * count / total) if total else index
+        # one group on at most, and never so late that a later group would stay empty
+        group = max(min(count - 1, group + 1, share), group, count - (len(sizes) - index))
+        groups[group].append(index)
+        done += size
+    return [g for g in groups if g]
+
+
+def launch_step(fragment: int, count: int, inner_steps: int) -> int:
+    """The optimizer step (mod ``inner_steps``) after which ``fragment`` of ``count`` launches its
+    outer all-reduce: fragments take turns at equal spacing, the last at the round's end."""
+    return ((fragment + 1) * inner_steps // count) % inner_steps
+
+
+def choose_inner_steps(sync_s: float, compute_s: float, max_overhead: float) -> int:
+    """``auto``'s H: 1 (synchronize every step) when one synchronization costs at most
+    ``max_overhead`` of a step's compute, else the fewest inner steps that keep it there."""
+    if compute_s <= 0 or sync_s <= max_overhead * compute_s:
+        return 1
+    return max(AUTO_MIN_INNER, min(AUTO_MAX_INNER, math.ceil(sync_s / (max_overhead * compute_s))))
+
+
+@dataclass
+class Pending:
+    """An outer all-reduce in flight: its fragment, the step after which it is applied, and the
+    future of the weighted average change (None when no rank trained anything in the round)."""
+
+    fragment: int
+    apply_after: int
+    result: torch.futures.Future[torch.Tensor] | None
+
+
+class Outer:
+    """Local SGD, DiLoCo or Streaming DiLoCo (see module doc); a :class:`~poise.sync.Sync`.
+
+    Composed over an :class:`AllReduce` on the same DDP model: inner steps run under DDP's
+    ``no_sync`` (no gradient leaves the rank); ``auto`` may hand every step back to it.
+
+    Args:
+        model, comm, clock, backend, compression_start, outer: as :class:`AllReduce`'s.
+        config: the ``[sync]`` settings (mode, H, outer optimizer, fragments, codec).
+        world_size: ranks in the default group.
+        last_step: the run's optimizer steps, if known: after the last, every fragment is
+            synchronized and applied, so every rank ends with the same model (None: the ranks
+            end with their own parameters since the last outer step).
+    """
+
+    replicas_agree = False
+
+    def __init__(self, model: nn.Module, comm: CommConfig, config: SyncConfig, *, clock: Clock, backend: str,
+                 compression_start: int, world_size: int, last_step: int | None = None,
+                 outer: Sequence[HookWrapper] = ()) -> None:
+        self.config = config
+        self.last_step = last_step
+        self.inner = AllReduce(model, comm, clock=clock, backend=backend, compression_start=compression_start,
+                               outer=outer)
+        self.model, self.probe = self.inner.model, self.inner.probe
+        self.world_size = world_size
+        # local SGD is the outer step with lr 1 and no momentum; auto's trial steps are too
+        plain = config.mode in ("local_sgd", "auto")
+        self.lr, self.momentum = (1.0, 0.0) if plain else (config.outer_lr, config.outer_momentum)
+        self.inner_steps = 1 if config.mode == "auto" else config.inner_steps
+        self.per_step = False  # auto chose to synchronize every step through the inner all-reduce
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        count = config.fragments if config.mode == "streaming" else 1
+        self.groups = fragments([p.numel() for p in self.params], count)
+        with torch.no_grad():
+            self.global_ = [self._flat(g).clone() for g in self.groups]  # the parameters at the last outer step
+        self.momenta = [torch.zeros_like(g) for g in self.global_]
+        self.tokens = [0.0] * len(self.groups)  # this rank's loss terms since each fragment's last outer step
+        self.steps = 0  # optimizer steps done
+        self.outer_steps = 0  # outer reductions applied (all fragments)
+        self.pending: list[Pending] = []
+        self.counters = Counters()
+        codec = make("none") if config.codec == "none" else ErrorFeedback(make(config.codec, **self._options()))
+        self.reducer = make_reducer(codec, None, self.counters)
+        self.codec = codec
+        self.choice: dict[str, Any] | None = None  # auto's decision and its figures
+        self._trial: list[tuple[float, float]] = []  # auto: (compute s, sync s) of each trial step
+        self._step_began = 0.0
+
+    def _options(self) -> dict[str, Any]:
+        return {"ratio": self.config.topk_ratio} if self.config.codec == "topk" else {}
+
+    @property
+    def local_loss(self) -> bool:
+        """Each rank trains on its own mean loss, unless ``auto`` chose per-step sync."""
+        return not self.per_step
+
+    @property
+    def trial(self) -> CodecTrial | None:
+        """The inner all-reduce's ``comm.codec=auto`` decision (per-step sync only)."""
+        return self.inner.trial
+
+    def _flat(self, group: list[int]) -> torch.Tensor:
+        return torch.cat([self.params[i].detach().reshape(-1).float() for i in group])
+
+    def _write(self, group: list[int], flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for i in group:
+                p = self.params[i]
+                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    # -- the call points -------------------------------------------------------------------
+
+    def begin_step(self, index: int) -> None:
+        self.inner.begin_step(index)
+        self.counters.reset()
+        self._step_began = time.perf_counter()
+
+    def micro_batch(self, last: bool) -> None:
+        """Per-step sync: as the inner all-reduce. Otherwise every forward runs under
+        ``no_sync`` (entered before the forward, left at the step's end)."""
+        self.inner.micro_batch(last if self.per_step else False)
+
+    def backward(self, run: Callable[[], None]) -> None:
+        self.inner.backward(run)
+
+    def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
+        self.inner.micro_batch(True)  # leave no_sync: the step is over
+        self.inner.end_step(index, tokens=tokens, optimizer_step=optimizer_step)
+        if self.per_step:
+            return
+        self.tokens = [t + float(tokens) for t in self.tokens]
+        if not optimizer_step:
+            return
+        compute_s = time.perf_counter() - self._step_began
+        self.steps += 1
+        final = self.last_step is not None and self.steps >= self.last_step
+        self._apply_due(everything=final)
+        sync_began = time.perf_counter()
+        for fragment in range(len(self.groups)):
+            if final or self.steps % self.inner_steps == launch_step(fragment, len(self.groups), self.inner_steps):
+                self._launch(fragment, delay=0 if final else None)
+        self._apply_due(everything=final)
+        if self.config.mode == "auto" and self.choice is None:
+            self._auto_trial(compute_s, time.perf_counter() - sync_began)
+
+    def _launch(self, fragment: int, delay: int | None = None) -> None:
+        """Start the outer all-reduce of ``fragment``'s weighted change (see module doc), to be
+        applied after ``delay`` more inner steps (None: streaming's tau, else 0)."""
+        tokens, self.tokens[fragment] = self.tokens[fragment], 0.0
+        if self.config.weighting == "tokens":
+            total = torch.tensor([tokens], dtype=torch.float64)
+            dist.all_reduce(total)  # one number, so every rank knows the round's tokens
+            weight = tokens / float(total.item()) if float(total.item()) > 0 else None
+            if weight is None:  # no rank trained anything since this fragment's last outer step
+                self.pending.append(Pending(fragment, self.steps, None))
+                return
+        else:
+            weight = 1.0 / self.world_size
+        delta = self.global_[fragment] - self._flat(self.groups[fragment])
+        if delay is None:
+            delay = self.config.delay_steps if self.config.mode == "streaming" else 0
+        result = self.reducer.reduce(delta, key=fragment, weight=weight)
+        self.pending.append(Pending(fragment, self.steps + delay, result))
+
+    def _apply_due(self, everything: bool = False) -> None:
+        due: list[Pending] = []
+        waiting: list[Pending] = []
+        for p in self.pending:
+            (due if everything or p.apply_after <= self.steps else waiting).append(p)
+        self.pending = waiting
+        for p in due:
+            self._apply(p.fragment, p.result.wait() if p.result is not None else None)
+
+    def _apply(self, fragment: int, avg: torch.Tensor | None) -> None:
+        """The outer optimizer step on ``fragment`` with the ranks' average change ``avg``, and
+        the rank's parameters set to the result (streaming: mixed into them)."""
+        group, global_ = self.groups[fragment], self.global_[fragment]
+        if avg is not None:
+            momentum = self.momenta[fragment]
+            if self.momentum:
+                momentum.mul_(self.momentum).add_(avg)
+                global_.sub_(avg.add(momentum, alpha=self.momentum), alpha=self.lr)
+            else:
+                global_.sub_(avg, alpha=self.lr)
+        alpha = self.config.mixing if self.config.mode == "streaming" else 0.0
+        local = global_ if alpha == 0.0 else self._flat(group).mul_(alpha).add_(global_, alpha=1.0 - alpha)
+        self._write(group, local)
+        self.outer_steps += 1
+
+    def _auto_trial(self, compute_s: float, sync_s: float) -> None:
+        """Time one trial step; after the last, every rank takes the same decision."""
+        self._trial.append((compute_s, sync_s))
+        if len(self._trial) < self.config.auto_trial_steps:
+            return
+        timed = self._trial[1:]  # the first step warms up allocations and the collective
+        mine = torch.tensor([sorted(t[0] for t in timed)[len(timed) // 2],
+                             sorted(t[1] for t in timed)[len(timed) // 2]], dtype=torch.float64)
+        dist.all_reduce(mine)
+        compute_s, sync_s = (float(v) / self.world_size for v in mine)
+        h = choose_inner_steps(sync_s, compute_s, self.config.auto_max_overhead)
+        overhead = sync_s / compute_s if compute_s > 0 else 0.0
+        if h == 1:
+            self.per_step = True
+            why = (f"one full synchronization takes {sync_s:.3f} s against {compute_s:.3f} s of compute a step "
+                   f"({overhead:.1%} <= {self.config.auto_max_overhead:.0%}): every step synchronizes, exactly")
+        else:
+            self.inner_steps = h
+            self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
+            why = (f"one full synchronization takes {sync_s:.3f} s against {compute_s:.3f} s of compute a step "
+                   f"({overhead:.0%} > {self.config.auto_max_overhead:.0%}): DiLoCo every {h} steps keeps it to "
+                   f"{overhead / h:.1%} of compute")
+        self.choice = {"mode": "step" if h == 1 else "diloco", "inner_steps": h, "compute_s": compute_s,
+                       "sync_s": sync_s, "why": why}
+        log.info("sync auto: %s", why)
+
+    def between_steps(self) -> bool:
+        return self.inner.between_steps()
+
+    def traffic(self) -> tuple[StepStats, StepStats]:
+        if self.per_step:
+            return self.inner.traffic()
+        return self.counters.snapshot(), StepStats()
+
+    def settle(self, forward_backward: Callable[[], None]) -> None:
+        """Nothing to settle: inner steps hand no bucket to a hook."""
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: its parameters (they differ from the other ranks' inside a round),
+        the global parameters and outer momentum, tokens per fragment, residuals, and the result
+        of any outer all-reduce still to be applied (waited for here: every rank launched it)."""
+        pending = [{"fragment": p.fragment, "apply_after": p.apply_after,
+                    "result": p.result.wait().clone() if p.result is not None else None} for p in self.pending]
+        self.pending = [Pending(p["fragment"], p["apply_after"], _done(p["result"])) for p in pending]
+        return {"inner": self.inner.state_dict(), "steps": self.steps, "outer_steps": self.outer_steps,
+                "inner_steps": self.inner_steps, "per_step": self.per_step, "choice": self.choice,
+                "local": [self._flat(g) for g in self.groups], "global": [g.clone() for g in self.global_],
+                "momenta": [m.clone() for m in self.momenta], "tokens": list(self.tokens), "pending": pending,
+                "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["global"]) != len(self.groups) or any(
+                g.shape != mine.shape for g, mine in zip(state["global"], self.global_, strict=True)):
+            raise ValueError("sync state does not fit the model: its fragments have other sizes")
+        self.inner.load_state_dict(state["inner"])
+        self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
+        self.inner_steps, self.per_step = int(state["inner_steps"]), bool(state["per_step"])
+        self.choice = state["choice"]
+        if self.choice is not None and self.choice["mode"] == "diloco":
+            self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
+        for i, group in enumerate(self.groups):
+            self._write(group, state["local"][i])
+            self.global_[i].copy_(state["global"][i])
+            self.momenta[i].copy_(state["momenta"][i])
+        self.tokens = [float(t) for t in state["tokens"]]
+        self.pending = [Pending(int(p["fragment"]), int(p["apply_after"]), _done(p["result"]))
+                        for p in state["pending"]]
+        self.codec.load_state_dict(state["codec"])
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        return {**self.inner.shared_state_dict(), "outer_steps_done": self.steps}
+
+    def load_shared_state_dict(self, state: dict[str, Any]) -> None:
+        """On another rank or world size: the inner step count only; the global parameters start
+        from the loaded model's, the momentum from zero (said in the log)."""
+        self.inner.load_shared_state_dict(state)
+        self.steps = int(state.get("outer_steps_done", 0))
+        with torch.no_grad():
+            self.global_ = [self._flat(g).clone() for g in self.groups]
+        log.info("sync %s: resumed on another rank or world size: outer momentum starts from zero", self.config.mode)
+
+    def summary(self) -> dict[str, Any]:
+        mode = self.config.mode if self.choice is None else f"auto: {self.choice['mode']}"
+        return {"mode": mode, "inner_steps": self.inner_steps, "fragments": len(self.groups),
+                "outer_steps": self.outer_steps, "codec": self.config.codec, "weighting": self.config.weighting,
+                "outer_lr": self.lr, "outer_momentum": self.momentum, "auto": self.choice}
+
+
+def _done(value: torch.Tensor | None) -> torch.futures.Future[torch.Tensor] | None:
+    """A completed future of ``value`` (a restored or already waited-for outer result)."""
+    if value is None:
+        return None
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+__all__ = ["Outer", "choose_inner_steps", "fragments", "launch_step"]

@@ -1,0 +1,238 @@
+"""Outer-step synchronization (local SGD, DiLoCo, Streaming DiLoCo) on real gloo ranks, through
+poise.Session: what the outer step computes, that inner steps send nothing, that its state
+resumes bit for bit, compressed changes with error feedback, token-weighted averages of
+unequal rounds, and a rank that trained nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import poise
+from poise.config import SyncConfig
+from poise.sync.outer import choose_inner_steps, fragments, launch_step
+from tests.dist.test_session import LENGTHS, Sequences, collate, token_mean_loss
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train(rank: int, world_size: int, sync: SyncConfig | str, steps: int, *, balance: str = "static",
+           speeds: list[float] | None = None, lr: float = 0.1, adam: bool = False, state: dict | None = None,
+           stop_at: int | None = None, batch_size: int = 4) -> dict:
+    """``steps`` optimizer steps of a small model with SGD (or AdamW); parameters after each."""
+    data = poise.Data(lengths=LENGTHS, batch_size=batch_size if balance == "static" else None,
+                      batch_cost=None if balance == "static" else world_size * batch_size * 20.0,
+                      loss_terms=LENGTHS, total_steps=steps)
+    session = poise.Session(_model(), data, balance=balance, sync=sync)
+    if speeds is not None:
+        session.sampler.set_speeds(speeds)
+    params = [p for p in session.model.parameters()]
+    opt = (torch.optim.AdamW(params, lr=lr) if adam else torch.optim.SGD(params, lr=lr))
+    if state is not None:
+        opt.load_state_dict(state["optim"])
+        session.load_state_dict(state["session"])
+    loader = session.dataloader(Sequences(), collate_fn=collate)
+    out: dict = {"params": [], "tokens": [], "bytes": []}
+    done = session.steps_done
+    for step, (x, y) in session.steps(loader):
+        step.backward(token_mean_loss(session.model, x, y))
+        opt.step()
+        opt.zero_grad()
+        out["tokens"].append(int(LENGTHS[step.indices].sum()))
+        step.end()
+        out["bytes"].append(session.last_record.wire_bytes if session.last_record is not None else 0)
+        out["params"].append(_params(session.model))
+        done += 1
+        if stop_at is not None and done == stop_at:
+            out["state"] = {"optim": opt.state_dict(), "session": session.state_dict()}
+            break
+        if done == steps:
+            break
+    out["summary"] = session.sync.summary()
+    return out
+
+
+def _ddp_reference(rank: int, world_size: int, steps: int) -> dict:
+    return _train(rank, world_size, "step", steps)
+
+
+def test_local_sgd_with_one_inner_step_is_ddp():
+    """H = 1, outer SGD lr 1 without momentum (local SGD), inner SGD: every step averages the
+    ranks' parameters, which is DDP's step on the averaged gradient (equal batches)."""
+    outer = run_ranks(_train, world_size=2, timeout_s=90, sync=SyncConfig(mode="local_sgd", inner_steps=1),
+                      steps=6)
+    ddp = run_ranks(_ddp_reference, world_size=2, timeout_s=90, steps=6)
+    for a, b in zip(outer[0]["params"], ddp[0]["params"], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    for a, b in zip(outer[0]["params"][-1], outer[1]["params"][-1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_inner_steps_send_nothing_and_ranks_meet_at_the_outer_step():
+    """DiLoCo with H = 3: steps 1 and 2 put no byte on the wire and the ranks' parameters
+    differ; step 3 sends the model once and leaves every rank with the same parameters."""
+    results = run_ranks(_train, world_size=2, timeout_s=90, sync=SyncConfig(mode="diloco", inner_steps=3), steps=6,
+                        adam=True, lr=0.01)
+    r0, r1 = results
+    assert r0["bytes"][0] == 0 and r0["bytes"][1] == 0 and r0["bytes"][2] > 0
+    assert not all(torch.equal(a, b) for a, b in zip(r0["params"][1], r1["params"][1], strict=True))
+    for index in (2, 5):
+        assert all(torch.equal(a, b) for a, b in zip(r0["params"][index], r1["params"][index], strict=True))
+    assert r0["summary"]["outer_steps"] == 2 and r0["summary"]["mode"] == "diloco"
+
+
+def _outer_by_hand(starts: list[list[torch.Tensor]], locals_: list[list[list[torch.Tensor]]], weights: list[float],
+                   lr: float, mu: float) -> list[torch.Tensor]:
+    """Two DiLoCo outer steps computed here, from each rank's parameters before each one."""
+    global_ = [t.clone() for t in starts[0]]
+    momentum = [torch.zeros_like(t) for t in global_]
+    for round_ in range(len(locals_[0])):
+        avg = [sum(w * (g - loc[round_][i]) for w, loc in zip(weights[round_], locals_, strict=True))
+               for i, g in enumerate(global_)]
+        for i in range(len(global_)):
+            momentum[i] = mu * momentum[i] + avg[i]
+            global_[i] = global_[i] - lr * (avg[i] + mu * momentum[i])
+    return global_
+
+
+def _pre_outer(rank: int, world_size: int, steps: int, inner: int, speeds: list[float] | None) -> dict:
+    """Like _train, also capturing each rank's parameters just before every outer step."""
+    captured: list[list[torch.Tensor]] = []
+    original = poise.sync.Outer._launch
+
+    def spy(self, fragment, delay=None):  # the rank's parameters at the moment it sends
+        captured.append([p.detach().clone() for p in self.params])
+        return original(self, fragment, delay)
+
+    poise.sync.Outer._launch = spy
+    try:
+        out = _train(rank, world_size, SyncConfig(mode="diloco", inner_steps=inner), steps,
+                     balance="static" if speeds is None else "cost", speeds=speeds, adam=True, lr=0.01)
+    finally:
+        poise.sync.Outer._launch = original
+    out["captured"] = captured
+    out["start"] = _params(_model())
+    return out
+
+
+@pytest.mark.parametrize("speeds", [None, [1.0, 3.0]])
+def test_outer_step_is_the_token_weighted_nesterov_step(speeds):
+    """The parameters after two outer steps equal DiLoCo's outer Nesterov step computed by hand
+    from each rank's parameters before each one, weighted by the tokens each rank trained in the
+    round (with speeds 1:3 rank 1 trains about three times the tokens: unequal weights)."""
+    results = run_ranks(_pre_outer, world_size=2, timeout_s=90, steps=4, inner=2, speeds=speeds)
+    tokens = [r["tokens"] for r in results]
+    weights = []
+    for round_ in range(2):
+        mine = [sum(t[2 * round_: 2 * round_ + 2]) for t in tokens]
+        weights.append([m / sum(mine) for m in mine])
+    if speeds is not None:
+        assert weights[0][1] > 0.6  # the faster rank trained most of the round's tokens
+    expected = _outer_by_hand([results[0]["start"]], [r["captured"] for r in results], weights, lr=0.7, mu=0.9)
+    for got, want in zip(results[0]["params"][-1], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_state_resumes_bit_for_bit():
+    """Stopped inside an outer round (step 4 of H = 3) with its state saved, and resumed in a
+    fresh session: the next steps' parameters equal an uninterrupted run's, bit for bit, with the
+    outer momentum, the rank's own parameters and the residuals carried over (int8, streaming)."""
+    sync = SyncConfig(mode="streaming", inner_steps=4, fragments=2, delay_steps=1, codec="int8")
+    whole = run_ranks(_train, world_size=2, timeout_s=90, sync=sync, steps=9, adam=True, lr=0.01)
+    first = run_ranks(_train, world_size=2, timeout_s=90, sync=sync, steps=9, adam=True, lr=0.01, stop_at=5)
+    states = [r["state"] for r in first]
+    rest = run_ranks(_resume, world_size=2, timeout_s=90, sync=sync, states=states)
+    for rank in range(2):
+        for got, want in zip(rest[rank]["params"][-1], whole[rank]["params"][-1], strict=True):
+            assert torch.equal(got, want)
+
+
+def _resume(rank: int, world_size: int, sync: SyncConfig, states: list[dict]) -> dict:
+    return _train(rank, world_size, sync, 9, adam=True, lr=0.01, state=states[rank])
+
+
+# (codec, top-k ratio, the largest distance from the exact run as a share of the exact run's change)
+COMPRESSED = [("fp16", 1.0, 0.02), ("int8", 1.0, 0.5), ("topk", 1.0, 1e-3), ("topk", 0.5, 1.0)]
+
+
+@pytest.mark.parametrize(("codec", "ratio", "share"), COMPRESSED)
+def test_compressed_changes_with_error_feedback_track_the_exact_ones(codec, ratio, share):
+    """DiLoCo with a compressed outer change stays near the exact one: casts and int8 closely,
+    top-k sending every entry exactly (through the all-gather path, weights included), top-k of
+    half the entries within the exact run's own change after four rounds (error feedback sends
+    the rest later); each sends fewer bytes than the exact change, except top-k of every entry
+    (values and indices)."""
+    exact = run_ranks(_train, world_size=2, timeout_s=90, sync=SyncConfig(mode="diloco", inner_steps=2), steps=8,
+                      adam=True, lr=0.01)
+    packed = run_ranks(_train, world_size=2, timeout_s=90,
+                       sync=SyncConfig(mode="diloco", inner_steps=2, codec=codec, topk_ratio=ratio), steps=8,
+                       adam=True, lr=0.01)
+    if ratio < 1.0 or codec != "topk":
+        assert sum(packed[0]["bytes"]) < sum(exact[0]["bytes"])
+    change = sum(float((a - s).norm()) for a, s in zip(exact[0]["params"][-1], _params(_model()), strict=True))
+    gap = sum(float((a - b).norm()) for a, b in zip(packed[0]["params"][-1], exact[0]["params"][-1], strict=True))
+    assert gap < share * change
+
+
+def _idle_rank(rank: int, world_size: int) -> dict:
+    """Rank 1's batches are empty in every step (speeds 1:0 plan it nothing): the outer steps
+    still meet, its weight is 0, and the result is rank 0's own training."""
+    return _train(rank, world_size, SyncConfig(mode="local_sgd", inner_steps=2), 4, balance="cost",
+                  speeds=[1.0, 1e-9])
+
+
+def test_a_rank_that_trained_nothing_neither_hangs_nor_counts():
+    results = run_ranks(_idle_rank, world_size=2, timeout_s=90)
+    assert sum(results[1]["tokens"]) < sum(results[0]["tokens"])
+    for a, b in zip(results[0]["params"][-1], results[1]["params"][-1], strict=True):
+        assert torch.equal(a, b)
+
+
+# -- the pure parts ---------------------------------------------------------------------------
+
+
+def test_fragments_split_contiguously_and_evenly():
+    assert fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert fragments([100, 1, 1, 1], 4) == [[0], [1], [2], [3]]
+    assert fragments([5, 5], 8) == [[0], [1]]
+    groups = fragments(list(np.random.default_rng(0).integers(1, 1000, 40)), 4)
+    assert [i for g in groups for i in g] == list(range(40)) and len(groups) == 4
+
+
+def test_fragments_launch_in_turn_at_equal_spacing():
+    assert [launch_step(f, 4, 20) for f in range(4)] == [5, 10, 15, 0]
+    assert [launch_step(0, 1, 20)] == [0]
+
+
+def test_auto_picks_per_step_sync_when_it_is_cheap_and_the_fewest_inner_steps_otherwise():
+    assert choose_inner_steps(0.01, 1.0, 0.05) == 1
+    assert choose_inner_steps(0.5, 1.0, 0.05) == 10
+    assert choose_inner_steps(100.0, 1.0, 0.05) == 500
+    assert choose_inner_steps(0.06, 1.0, 0.05) == 2
+
+
+def _auto(rank: int, world_size: int) -> dict:
+    out = _train(rank, world_size, SyncConfig(mode="auto", auto_trial_steps=3), 6)
+    dist.barrier()
+    return out
+
+
+def test_auto_decides_alike_on_every_rank_and_says_why():
+    results = run_ranks(_auto, world_size=2, timeout_s=90)
+    choices = [r["summary"]["auto"] for r in results]
+    assert choices[0] is not None and choices[0]["mode"] == choices[1]["mode"]
+    assert choices[0]["inner_steps"] == choices[1]["inner_steps"] and "synchroniz" in choices[0]["why"]

@@ -108,6 +108,10 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         entry["samples_per_s"] = float(column(one, "samples").sum() / column(one, "step_s").sum())
         entry["tokens_per_s"] = float(column(one, "tokens").sum() / column(one, "step_s").sum())
         entry["tokens_per_compute_s"] = float(column(one, "tokens").sum() / column(one, "compute_s").sum())
+        # the share of its wall time the rank computed (forward, backward, optimizer; emulated
+        # slowness counts as compute): what waiting for others and for the network leaves
+        busy_s = column(one, "compute_s").sum() + column(one, "optim_s").sum()
+        entry["compute_utilization"] = float(busy_s / max(column(one, "step_s").sum(), 1e-12))
         # CPUs the rank's process kept busy; the share of its compute its training thread was on a CPU
         entry["cpus_busy"] = float(cpus[r]) if np.isfinite(cpus[r]) else None
         entry["compute_on_cpu"] = float(on_cpu[r]) if np.isfinite(on_cpu[r]) else None
@@ -139,6 +143,10 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "bytes_communicated_per_step": float(np.median(wire)),
         "comm_raw_bytes_per_step": float(np.median(raw)),
         "comm_wire_bytes_per_step": float(np.median(wire)),
+        # the mean counts the rare outer steps of local SGD and DiLoCo, which the median misses
+        "comm_wire_bytes_mean_per_step": float(np.mean(wire)),
+        # every rank's bytes over every token trained (all steps)
+        "wire_bytes_per_token": float(column(table, "wire_bytes").sum() / max(tokens, 1)),
         # median over steps, so the uncompressed warm-up steps do not dilute it
         "compression_ratio": float(np.median(raw / np.maximum(wire, 1))),
         "codec_s_per_step": float(np.median(column(steady, "codec_s"))),

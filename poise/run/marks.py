@@ -38,6 +38,7 @@ class StepMarks:
     backward_end: Any = None
     ready: Any = None
     end: Any = None
+    synced: Any = None  # when the strategy's end_step began (an outer step's communication follows)
     in_flight: list[tuple[Any, Any]] = field(default_factory=list)
     loss: torch.Tensor | None = None
     skipped: bool = False
@@ -62,10 +63,12 @@ class StepMarks:
         ready = self.ready if self.ready is not None else self.backward_end
         busy, hidden = comm_overlap([(s(a), s(b)) for a, b in self.in_flight], s(ready))
         end = s(self.end)
+        synced = s(self.synced) if self.synced is not None else end  # an outer step waits from here on
         return StepRecord(
             step=self.index, start_time_s=self.start_time_s, data_s=self.data_s,
             forward_s=s(self.backward), backward_s=s(ready) - s(self.backward),
-            comm_wait_s=s(self.backward_end) - s(ready), optim_s=end - s(self.backward_end), step_s=self.data_s + end,
+            comm_wait_s=s(self.backward_end) - s(ready) + end - synced, optim_s=synced - s(self.backward_end),
+            step_s=self.data_s + end,
             samples=self.samples, tokens=self.tokens, padded_tokens=self.padded_tokens,
             loss=float(self.loss) if self.loss is not None else float("nan"),
             raw_bytes=self.raw_bytes, wire_bytes=self.wire_bytes, inter_node_raw_bytes=self.inter_node_raw_bytes,

@@ -203,6 +203,7 @@ class Step:
                     if buckets else "no backward ran")
             raise ValueError(f"step {self.index} ended without step.backward(loss): {what}")
         env.sync.micro_batch(True)  # leave any accumulation context: the next step starts clean
+        m.synced = env.clock.mark()
         env.sync.end_step(self.index, tokens=m.tokens if self._items is None else self._items,
                           optimizer_step=self.sync)
         m.end = env.clock.mark()

@@ -16,6 +16,7 @@ from poise.bench import (
     diagnose,
     faults,
     network,
+    outer,
     partition,
     plan,
     scaling,
@@ -26,7 +27,7 @@ from poise.bench import (
 FAMILIES: dict[str, ModuleType] = {
     "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "network": network,
     "checkpoint": checkpoint, "diagnose": diagnose, "faults": faults, "plan": plan,
-    "stragglers": stragglers,
+    "stragglers": stragglers, "outer": outer,
 }
 # a family whose command runs more than its module's run(): faults with --minutes is the soak
 RUNS = {"faults": soak.run_bench}

@@ -109,6 +109,7 @@ class TorchLocalSGD:
 
     local_loss = True
     replicas_agree = False
+    trial = None  # no comm.codec=auto trial: the recorder reads it
 
     def __init__(self, model: nn.Module, sync: SyncConfig, comm: CommConfig, *, clock: Clock, warmup_steps: int,
                  ranks_per_node: int | None = None, outer: Sequence[HookWrapper] = ()) -> None:

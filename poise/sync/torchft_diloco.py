@@ -93,6 +93,7 @@ class TorchftDiLoCo:
 
     local_loss = True
     replicas_agree = False
+    trial = None  # no comm.codec=auto trial: the recorder reads it
 
     def __init__(self, model: nn.Module, sync: SyncConfig, *, clock: Clock, ranks_per_node: int | None = None) -> None:
         if sync.codec != "none":

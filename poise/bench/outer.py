@@ -1,0 +1,340 @@
+"""``poise bench outer``: per-step and outer-step synchronization side by side, at equal loss, over shaped links.
+
+On an emulated cluster of ``--nodes`` × ``--procs-per-node`` workers (default 2 × 2; network
+namespaces behind tbf-shaped links, ``poise cluster``), the realistic-batch workload (code-lm,
+d_model 512, 6 layers, 16 sequences of 32 bytes per rank per step: ``network.py``'s model at
+``--batch-size 16``) is trained by each run of ``--runs``:
+
+- ``ddp``: plain DDP (the reference); ``torch-powersgd``: torch's PowerSGD hook;
+  ``powersgd-early``: poise's best per-step codec (PowerSGD from step 5);
+- ``torch-localsgd``: torch's post-local SGD (``post_localSGD_hook`` + ``PeriodicModelAverager``,
+  5 warm-up steps of DDP, then gradients averaged within each node and parameters across nodes
+  every ``inner_steps``);
+- ``torchft-diloco``: torchft 0.2.0's ``DiLoCo`` (optional extra ``poise[bench]``), which runs on
+  gloo. Where it cannot be imported or its job fails, its faithful equivalent
+  ``diloco-as-torchft`` runs instead and the table and JSON say so: poise's DiLoCo with
+  torchft's behaviour (equal weighting of the replicas, no compression, the static sharding,
+  every outer step waiting for the slowest worker);
+- ``diloco``, ``streaming-int8`` (Streaming DiLoCo with int8 outer deltas) and ``auto`` (poise's
+  choice between per-step and outer-step synchronization, from measurements).
+
+Each at every link of ``--links`` (rates such as ``1gbit``, and ``floor``), and at each link of
+``--slow-links`` once more with worker 1 at half speed (``--rank-speed 1:0.5``). The floor is
+the same job on the same 2 × 2 cluster with its links at 100 Gbit/s, the top rate poise shapes
+to and more than a veth pair carries on one machine: effectively unshaped, with the node
+layout kept (torch's subgroups and torchft's addresses are then the same as on the shaped runs).
+
+Equal loss: ``ddp`` runs ``--steps`` steps (default 200: 10 outer rounds at ``inner_steps``
+20) and its final eval loss (the first link's, per seed) is the target; every other run may
+take ``--extra-steps`` more with the reference's learning-rate schedule, evaluates every
+``--eval-every`` steps and stops once it reaches the target. Per run: training seconds to the
+target (evaluations left out; linear between evaluations; "not reached"), speed-up against
+``ddp`` and against torchft's DiLoCo at the same link, the ratio to the same run at the floor,
+the final eval loss, each worker's compute utilization (its forward and backward seconds over
+its seconds in steps) and the bytes every worker sent per token trained. With several
+``--seeds``, the rows are medians over the seeds (a run that did not reach the target counts
+as slower than any that did) and the per-seed runs are in the JSON too.
+
+The cluster needs root (``ip``, ``tc``); each job brings its own cluster up and down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from poise.bench.harness import output_dir, require_positive, run_train_job, save_results, show_table
+from poise.bench.network import MODEL_ARGS, time_to_target
+from poise.diagnostics.timeline import column, load_table
+from poise.log import make_console
+from poise.sync.torchft_diloco import load_torchft
+from poise.units import link_rate_bit_per_s
+
+HELP = "DDP, per-step codecs, torch's local SGD, torchft's and poise's DiLoCo: time to DDP's loss over shaped links"
+
+EQUIVALENT = "diloco-as-torchft"
+# (label, poise train flags): the reference first
+RUNS: dict[str, tuple[str, ...]] = {
+    "ddp": ("--codec", "none"),
+    "torch-powersgd": ("--codec", "torch-powersgd"),
+    "powersgd-early": ("--codec", "powersgd", "--comm.start_step", "5"),
+    "torch-localsgd": ("--sync", "torch-localsgd", "--comm.start_step", "5"),
+    "torchft-diloco": ("--sync", "torchft-diloco"),
+    EQUIVALENT: ("--sync", "diloco", "--sync.weighting", "equal", "--balance", "static"),
+    "diloco": ("--sync", "diloco"),
+    "streaming-int8": ("--sync", "streaming", "--sync.codec", "int8"),
+    "auto": ("--sync", "auto"),
+}
+DEFAULT_RUNS = ("ddp", "torch-powersgd", "powersgd-early", "torch-localsgd", "torchft-diloco", "diloco",
+                "streaming-int8", "auto")
+FLOOR = "floor"
+FLOOR_RATE = "100gbit"
+SLOW_RANK = ("--rank-speed", "1:0.5")
+SLOW_NOTE = "worker 1 at half speed"
+
+
+def realistic(model: Sequence[str] = MODEL_ARGS) -> list[str]:
+    """``model`` with 16 sequences per rank per step (``--batch-size 16``), the realistic batch."""
+    out = list(model)
+    out[out.index("--batch-size") + 1] = "16"
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The runs: the cluster (``nodes:workers``), steps of the reference, the share of extra
+    steps the others get (``extra``), evaluations every ``eval_every`` steps, the seeds, and
+    each job's limit in seconds."""
+
+    cluster: str
+    steps: int
+    extra: float
+    eval_every: int
+    seeds: tuple[int, ...]
+    timeout_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--links", default=f"1gbit,10gbit,100mbit,{FLOOR}",
+                        help=f"link rates, comma-separated; '{FLOOR}' = the same cluster at {FLOOR_RATE} (unshaped)")
+    parser.add_argument("--slow-links", default="1gbit",
+                        help=f"links where the runs go once more with {SLOW_NOTE} ('' = none)")
+    parser.add_argument("--nodes", type=int, default=2, help="emulated nodes")
+    parser.add_argument("--procs-per-node", type=int, default=2, help="workers per node")
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"training runs: {', '.join(RUNS)}")
+    parser.add_argument("--steps", type=int, default=200,
+                        help="steps of the reference run (ddp); 200 = 10 outer rounds at sync.inner_steps 20")
+    parser.add_argument("--extra-steps", type=float, default=0.25,
+                        help="the other runs may take this share more steps to reach the reference's loss")
+    parser.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (time to accuracy)")
+    parser.add_argument("--seeds", default="0", help="seeds, comma-separated (rows are medians over them)")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit per job, seconds")
+    parser.add_argument("--out", default="", help="output directory (default runs/bench-outer-<timestamp>)")
+    parser.add_argument("train_args", nargs="*",
+                        help=f"'poise train' flags after --, replacing the default model ({' '.join(realistic())})")
+
+
+def parse(args: argparse.Namespace) -> tuple[list[tuple[str, bool]], list[str], Plan]:
+    """The variants ``(link, slow)`` in run order, the run labels and the plan, or a one-line
+    ValueError for the first bad flag."""
+    require_positive(args, "nodes", "procs_per_node", "steps", "eval_every", "timeout_s")
+    if not (math.isfinite(args.extra_steps) and 0 <= args.extra_steps <= 10):
+        raise ValueError(f"--extra-steps={args.extra_steps} must be in 0..10 (a share of --steps)")
+    links = _names(args.links, "--links")
+    slow = _names(args.slow_links, "--slow-links") if args.slow_links.strip() else []
+    for link in links + slow:
+        if link != FLOOR:
+            link_rate_bit_per_s(link)  # one line naming a bad rate
+    if len(set(links)) != len(links) or len(set(slow)) != len(slow):
+        raise ValueError(f"--links={args.links!r} and --slow-links={args.slow_links!r} must not repeat a link")
+    labels = _names(args.runs, "--runs")
+    unknown = [x for x in labels if x not in RUNS]
+    if unknown:
+        raise ValueError(f"--runs: unknown {', '.join(unknown)}; allowed are {', '.join(RUNS)}")
+    if "ddp" not in labels:
+        raise ValueError(f"--runs={args.runs!r} must include ddp: its final eval loss is every run's target")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--runs={args.runs!r} repeats a run")
+    labels.sort(key=lambda x: x != "ddp")  # the reference first
+    try:
+        seeds = tuple(int(s) for s in _names(args.seeds, "--seeds"))
+    except ValueError:
+        seeds = ()
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds={args.seeds!r} is invalid: give distinct integers >= 0 separated by commas")
+    # a shaped link first: the floor and the slow variants are read against it
+    variants = sorted([(link, False) for link in links], key=lambda v: v[0] == FLOOR) + [(link, True) for link in slow]
+    plan = Plan(f"{args.nodes}:{args.procs_per_node}", args.steps, args.extra_steps, args.eval_every, seeds,
+                args.timeout_s)
+    return variants, labels, plan
+
+
+def _names(text: str, flag: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"{flag}={text!r} is empty: give a comma-separated list")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    variants, labels, plan = parse(args)
+    torchft_error = None
+    if "torchft-diloco" in labels:
+        try:
+            load_torchft()
+        except ValueError as exc:  # its equivalent runs instead; said in the table and the JSON
+            torchft_error = str(exc)
+            labels[labels.index("torchft-diloco")] = EQUIVALENT
+            make_console().print(f"torchft-diloco cannot run here, {EQUIVALENT} instead: {torchft_error}")
+    model = list(args.train_args) or realistic()
+    out = output_dir(args.out, "outer")
+    runs: list[dict[str, Any]] = []
+    for seed in plan.seeds:
+        target: dict[str, float | None] = {"loss": None}
+        for link, slow in variants:
+            for label in labels:
+                runs += _one(out, link, slow, label, seed, model, plan, target)
+    rows = summarize(runs)
+    show(rows, plan)
+    save_results(out, "outer", {"cluster": plan.cluster, "variants": [list(v) for v in variants],
+                                "runs_asked": labels, "plan": dataclasses.asdict(plan), "model_args": model,
+                                "floor": f"{plan.cluster} at {FLOOR_RATE}", "slow": " ".join(SLOW_RANK),
+                                "torchft_error": torchft_error, "rows": rows, "runs": runs})
+    return 0
+
+
+def _one(out: Path, link: str, slow: bool, label: str, seed: int, model: list[str], plan: Plan,
+         target: dict[str, float | None]) -> list[dict[str, Any]]:
+    """One job (and, if torchft's fails, its equivalent's): the per-seed rows."""
+    name = f"s{seed}-{link}{'-slow' if slow else ''}-{label}"
+    try:
+        report = run_train_job(name, out, job_flags(label, link, slow, seed, model, plan, target["loss"]),
+                               plan.timeout_s)
+    except RuntimeError as exc:
+        if label != "torchft-diloco":
+            raise
+        make_console().print(f"{name} failed, {EQUIVALENT} runs instead: {exc}")
+        failed = {"run": label, "link": link, "slow": slow, "seed": seed, "error": str(exc)}
+        return [failed, *_one(out, link, slow, EQUIVALENT, seed, model, plan, target)]
+    if label == "ddp" and target["loss"] is None:
+        target["loss"] = float(report["eval_loss"])
+    row = measure(report, load_table(out / name / "timeline.npz"), target["loss"])
+    return [{"run": label, "link": link, "slow": slow, "seed": seed, **row}]
+
+
+def job_flags(label: str, link: str, slow: bool, seed: int, model: Sequence[str], plan: Plan,
+              target: float | None) -> list[str]:
+    """``poise train`` flags of one run (without ``--out``)."""
+    steps = plan.steps if label == "ddp" else math.ceil(plan.steps * (1 + plan.extra))
+    flags = [*model, "--steps", str(steps), "--seed", str(seed), "--cluster", plan.cluster,
+             "--link", FLOOR_RATE if link == FLOOR else link, "--train.eval_every", str(plan.eval_every), *RUNS[label]]
+    if slow:
+        flags += SLOW_RANK
+    if label != "ddp":  # the reference's schedule; stop once its loss is reached
+        flags += ["--train.schedule_steps", str(plan.steps)]
+        if target is not None:
+            flags += ["--train.stop_at_eval_loss", repr(target)]
+    return flags
+
+
+def measure(report: dict[str, Any], table: np.ndarray, target: float | None) -> dict[str, Any]:
+    """A run's figures from its ``report.json`` and ``timeline.npz`` table (``[ranks, steps, fields]``).
+
+    ``compute_utilization``: per worker, its forward and backward seconds over its seconds in
+    steps (all steps; evaluations are outside them); ``bytes_per_token``: every byte the
+    workers put into collectives over every token they trained (outer steps send rarely, so a
+    per-step median would read 0).
+    """
+    compute, step_s = column(table, "compute_s").sum(axis=1), column(table, "step_s").sum(axis=1)
+    tokens = float(column(table, "tokens").sum())
+    return {
+        "steps": int(report["steps"]),
+        "time_to_target_s": time_to_target(report["eval_curve"], target) if target is not None else None,
+        "target_eval_loss": target,
+        "final_eval_loss": float(report["eval_loss"]),
+        "compute_utilization": [float(c / s) if s > 0 else None for c, s in zip(compute, step_s, strict=True)],
+        "bytes_per_token": float(column(table, "wire_bytes").sum()) / tokens if tokens else None,
+        "train_s": float(report["eval_curve"][-1]["train_s"]) if report["eval_curve"] else None,
+        "sync": report.get("sync"),
+    }
+
+
+def _median_time(values: list[float | None]) -> float | None:
+    """Median seconds, a run that never reached the target counting as slower than any that did."""
+    median = statistics.median(math.inf if v is None else v for v in values)
+    return None if math.isinf(median) else float(median)
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (link, slow, run): medians over the seeds, then the ratios between rows.
+
+    ``speedup_vs_ddp`` and ``speedup_vs_torchft_diloco``: the reference's time to the target over
+    this run's, at the same link and variant (torchft's ``DiLoCo``, or its equivalent where it did
+    not run: ``torchft_reference`` names which); ``floor_ratio``: this run's time over its own
+    time at the floor (the issue's target: at most 1.15); ``loss_vs_target_pct``.
+    """
+    groups: dict[tuple[str, bool, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        if "error" not in r:
+            groups.setdefault((r["link"], r["slow"], r["run"]), []).append(r)
+    rows = []
+    for (link, slow, label), group in groups.items():
+        utilization = [statistics.median(u) if None not in u else None
+                       for u in zip(*(g["compute_utilization"] for g in group), strict=True)]
+        per_token = [g["bytes_per_token"] for g in group if g["bytes_per_token"] is not None]
+        rows.append({"run": label, "link": link, "slow": slow, "seeds": [g["seed"] for g in group],
+                     "steps": statistics.median(g["steps"] for g in group),
+                     "time_to_target_s": _median_time([g["time_to_target_s"] for g in group]),
+                     "target_eval_loss": statistics.median(g["target_eval_loss"] for g in group
+                                                           if g["target_eval_loss"] is not None)
+                     if any(g["target_eval_loss"] is not None for g in group) else None,
+                     "final_eval_loss": statistics.median(g["final_eval_loss"] for g in group),
+                     "compute_utilization": utilization,
+                     "min_compute_utilization": min((u for u in utilization if u is not None), default=None),
+                     "bytes_per_token": statistics.median(per_token) if per_token else None})
+    by_key = {(r["link"], r["slow"], r["run"]): r for r in rows}
+    for row in rows:
+        here = (row["link"], row["slow"])
+        ddp = by_key.get((*here, "ddp"))
+        torchft = by_key.get((*here, "torchft-diloco")) or by_key.get((*here, EQUIVALENT))
+        row["torchft_reference"] = torchft["run"] if torchft else None
+        floor = by_key.get((FLOOR, False, row["run"]))
+        row["speedup_vs_ddp"] = _ratio(ddp, row)
+        row["speedup_vs_torchft_diloco"] = _ratio(torchft, row)
+        row["floor_ratio"] = _ratio(row, floor) if floor is not None and row["link"] != FLOOR else None
+        target = row["target_eval_loss"]
+        row["loss_vs_target_pct"] = 100 * (row["final_eval_loss"] / target - 1) if target else None
+    return rows
+
+
+def _ratio(base: dict[str, Any] | None, row: dict[str, Any] | None) -> float | None:
+    """``base``'s time to the target over ``row``'s (None when either did not reach it)."""
+    if base is None or row is None or not base["time_to_target_s"] or not row["time_to_target_s"]:
+        return None
+    return base["time_to_target_s"] / row["time_to_target_s"]
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f} s"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def show(rows: Sequence[dict[str, Any]], plan: Plan) -> None:
+    """The rich table of :func:`summarize`'s rows."""
+    reference = {r["torchft_reference"] for r in rows if r["torchft_reference"]}
+    versus = ("vs torchft DiLoCo" if reference <= {"torchft-diloco"} else f"vs {EQUIVALENT}"
+              if reference == {EQUIVALENT} else "vs torchft DiLoCo (its equivalent where torchft's failed)")
+    shown = [{**r, "variant": f"{r['link']}{', ' + SLOW_NOTE if r['slow'] else ''}"
+              + (f" [{FLOOR_RATE}]" if r["link"] == FLOOR else "")} for r in rows]
+    targets = sorted({r["target_eval_loss"] for r in rows if r["target_eval_loss"] is not None})
+    seeds = plan.seeds
+    show_table(f"poise bench outer: time to ddp's eval loss after {plan.steps} steps "
+               f"({', '.join(f'{t:.4f}' for t in targets) or 'none'}) on {plan.cluster} (nodes:workers), "
+               f"{'median of seeds ' if len(seeds) > 1 else 'seed '}{','.join(map(str, seeds))}", shown, [
+        ("variant", "link", str),
+        ("run", "run", str),
+        ("steps", "steps run", lambda v: f"{v:g}"),
+        ("time_to_target_s", "time to target", _seconds),
+        ("speedup_vs_ddp", "vs DDP", _x),
+        ("speedup_vs_torchft_diloco", versus, _x),
+        ("floor_ratio", "vs floor", _x),
+        ("final_eval_loss", "final eval loss", lambda v: f"{v:.4f}"),
+        ("compute_utilization", "compute utilization per worker",
+         lambda v: " ".join("-" if u is None else f"{u:.2f}" for u in v)),
+        ("bytes_per_token", "bytes/token", lambda v: "-" if v is None else f"{v:,.0f}"),
+    ])
+    if any(r["run"] == EQUIVALENT for r in rows):
+        make_console().print(f"{EQUIVALENT}: torchft's DiLoCo did not run (see torchft_error and the failed jobs in "
+                             "the JSON); in its place poise's DiLoCo with torchft's behaviour: equal weighting, no "
+                             "compression, static sharding, every outer step waiting for the slowest worker")

@@ -1,0 +1,135 @@
+"""``poise bench outer``: its flags (one line, exit 2), the flags of each job, and the rows and
+table from synthetic reports and timelines (no job runs)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from poise.bench import outer
+from poise.cli import main
+from poise.diagnostics.timeline import FIELDS
+
+
+def _args(**changes: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    outer.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("links", "1gbit,fast", "'fast'"),
+    ("links", " , ", "--links"),
+    ("links", "1gbit,1gbit", "must not repeat"),
+    ("runs", "ddp,diloco,nope", "unknown nope"),
+    ("runs", "diloco", "must include ddp"),
+    ("runs", "ddp,ddp", "repeats"),
+    ("seeds", "0,x", "--seeds"),
+    ("seeds", "-1", "--seeds"),
+    ("seeds", "1,1", "--seeds"),
+    ("steps", 0, "--steps"),
+    ("timeout_s", float("inf"), "--timeout-s"),
+    ("extra_steps", -0.5, "--extra-steps"),
+    ("extra_steps", float("nan"), "--extra-steps"),
+])
+def test_a_bad_flag_is_one_line_naming_it(flag: str, value: object, says: str) -> None:
+    with pytest.raises(ValueError) as info:
+        outer.parse(_args(**{flag: value}))
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_command_line_refuses_with_exit_2_and_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "outer", "--runs", "ddp,nope", "--out", "/nonexistent/never-written"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("poise bench: error: --runs: unknown nope") and "\n" not in err
+
+
+def test_variants_put_a_shaped_link_first_then_the_floor_then_the_slow_ones() -> None:
+    variants, labels, plan = outer.parse(_args(links="floor,100mbit", slow_links="1gbit", runs="diloco,ddp",
+                                               seeds="2,0"))
+    assert variants == [("100mbit", False), ("floor", False), ("1gbit", True)]
+    assert labels == ["ddp", "diloco"] and plan.seeds == (2, 0) and plan.cluster == "2:2"
+
+
+def test_job_flags_keep_the_reference_schedule_and_stop_at_its_loss() -> None:
+    plan = outer.Plan("2:2", 200, 0.25, 10, (0,), 60.0)
+    model = outer.realistic()
+    assert model[model.index("--batch-size") + 1] == "16"
+    ddp = outer.job_flags("ddp", "1gbit", False, 3, model, plan, None)
+    assert ddp[ddp.index("--steps") + 1] == "200" and "--train.stop_at_eval_loss" not in ddp
+    assert ddp[ddp.index("--seed") + 1] == "3" and ddp[ddp.index("--link") + 1] == "1gbit"
+    slow = outer.job_flags("torch-localsgd", "floor", True, 0, model, plan, 2.5)
+    assert slow[slow.index("--steps") + 1] == "250" and slow[slow.index("--link") + 1] == outer.FLOOR_RATE
+    assert slow[slow.index("--train.schedule_steps") + 1] == "200"
+    assert slow[slow.index("--train.stop_at_eval_loss") + 1] == "2.5"
+    assert slow[slow.index("--rank-speed") + 1] == "1:0.5" and slow[slow.index("--sync") + 1] == "torch-localsgd"
+    assert slow[slow.index("--cluster") + 1] == "2:2"
+
+
+def _table(compute_s: list[float], step_s: list[float], wire: list[int], tokens: int, steps: int = 4) -> np.ndarray:
+    """A timeline of ``len(compute_s)`` ranks: each step's forward = backward = half its compute."""
+    table = np.zeros((len(compute_s), steps, len(FIELDS)))
+    for r, (c, s, w) in enumerate(zip(compute_s, step_s, wire, strict=True)):
+        table[r, :, FIELDS.index("forward_s")] = c / 2
+        table[r, :, FIELDS.index("backward_s")] = c / 2
+        table[r, :, FIELDS.index("step_s")] = s
+        table[r, -1, FIELDS.index("wire_bytes")] = w  # an outer step sends once, at the end
+        table[r, :, FIELDS.index("tokens")] = tokens
+    return table
+
+
+def _report(curve: list[tuple[int, float, float]], final: float) -> dict:
+    return {"steps": curve[-1][0], "eval_loss": final,
+            "eval_curve": [{"step": s, "train_s": t, "loss": v} for s, t, v in curve]}
+
+
+def test_measure_reads_utilization_per_worker_and_bytes_per_token_over_the_whole_run() -> None:
+    report = _report([(10, 10.0, 3.0), (20, 20.0, 2.0)], 2.0)
+    row = outer.measure(report, _table([0.9, 0.45], [1.0, 1.0], [1000, 3000], tokens=50), target=2.5)
+    assert row["compute_utilization"] == pytest.approx([0.9, 0.45])
+    assert row["bytes_per_token"] == pytest.approx(4000 / (2 * 4 * 50))  # a per-step median would be 0
+    assert row["time_to_target_s"] == pytest.approx(15.0)  # halfway between 3.0 at 10 s and 2.0 at 20 s
+    assert outer.measure(report, _table([1.0], [1.0], [0], tokens=1), target=1.0)["time_to_target_s"] is None
+
+
+def _run(run: str, link: str, seed: int, time_s: float | None, util: list[float], slow: bool = False) -> dict:
+    return {"run": run, "link": link, "slow": slow, "seed": seed, "steps": 200, "time_to_target_s": time_s,
+            "target_eval_loss": 2.0, "final_eval_loss": 2.0 if time_s else 2.1, "compute_utilization": util,
+            "bytes_per_token": 100.0, "train_s": time_s}
+
+
+def test_rows_are_medians_over_seeds_with_ratios_at_the_same_link() -> None:
+    runs = [_run("ddp", "1gbit", s, t, [0.5, 0.5]) for s, t in ((0, 100.0), (1, 120.0), (2, 110.0))]
+    runs += [_run("torchft-diloco", "1gbit", s, t, [0.8, 0.6]) for s, t in ((0, 80.0), (1, None), (2, 60.0))]
+    runs += [_run("diloco", "1gbit", s, t, [0.9, u]) for s, t, u in ((0, 50.0, 0.95), (1, 55.0, 0.9), (2, 40.0, 1.0))]
+    runs += [_run("diloco", "floor", s, 45.0, [1.0, 1.0]) for s in (0, 1, 2)]
+    runs += [{"run": "torchft-diloco", "link": "floor", "slow": False, "seed": 0, "error": "failed"}]
+    rows = {(r["link"], r["run"]): r for r in outer.summarize(runs)}
+    diloco, torchft = rows["1gbit", "diloco"], rows["1gbit", "torchft-diloco"]
+    assert torchft["time_to_target_s"] == 80.0  # not reached counts as slowest: median of 60, 80, never
+    assert diloco["time_to_target_s"] == 50.0 and diloco["speedup_vs_ddp"] == pytest.approx(110.0 / 50.0)
+    assert diloco["speedup_vs_torchft_diloco"] == pytest.approx(80.0 / 50.0)
+    assert diloco["torchft_reference"] == "torchft-diloco"
+    assert diloco["floor_ratio"] == pytest.approx(50.0 / 45.0) and rows["floor", "diloco"]["floor_ratio"] is None
+    assert diloco["compute_utilization"] == [0.9, 0.95] and diloco["min_compute_utilization"] == 0.9
+    assert ("floor", "torchft-diloco") not in rows  # a failed job is no row
+    assert rows["1gbit", "ddp"]["speedup_vs_torchft_diloco"] == pytest.approx(80.0 / 110.0)
+
+
+def test_the_equivalent_stands_in_for_torchft_and_the_table_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [_run("ddp", "1gbit", 0, 100.0, [0.5]), _run(outer.EQUIVALENT, "1gbit", 0, 50.0, [0.9]),
+            _run("diloco", "1gbit", 0, 40.0, [0.9], slow=True), _run("ddp", "1gbit", 0, None, [0.5], slow=True)]
+    rows = outer.summarize(runs)
+    fast = next(r for r in rows if r["run"] == "ddp" and not r["slow"])
+    assert fast["torchft_reference"] == outer.EQUIVALENT and fast["speedup_vs_torchft_diloco"] == 0.5
+    slow = next(r for r in rows if r["run"] == "diloco")
+    assert slow["speedup_vs_ddp"] is None and slow["speedup_vs_torchft_diloco"] is None  # no reference there
+    outer.show(rows, outer.Plan("2:2", 200, 0.25, 10, (0,), 60.0))
+    shown = capsys.readouterr().out
+    assert "vs diloco-as-torchft" in shown and "torchft's behaviour" in shown
+    assert "half speed" in shown and "not reached" in shown

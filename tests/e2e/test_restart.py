@@ -176,6 +176,29 @@ def test_compressed_run_resumes_exactly(tmp_path, codec):
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("sync", [("--sync", "diloco", "--sync.inner_steps", "4"),
+                                  ("--sync", "streaming", "--sync.inner_steps", "4", "--sync.fragments", "2",
+                                   "--sync.codec", "int8")])
+def test_outer_sync_resumes_inside_a_round_exactly(tmp_path, sync):
+    """DiLoCo (and Streaming DiLoCo with int8 changes) killed inside an outer round and inside an
+    accumulation window (resumed at micro-batch 27: optimizer step 13 of rounds of 4) ends with
+    the uninterrupted run's model: each rank's own parameters and AdamW state, the global
+    parameters, the outer momentum, the residuals and a fragment's result in flight all come
+    back from the rank's own checkpoint file."""
+    job = (*JOB, *sync)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = run_poise(*job, "--out", str(whole), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_poise(*job, "--fail-at", "1:30", "--max-restarts", "1", "--out", str(killed), timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((killed / "report.json").read_text())
+    assert report["restarts"] == 1 and report["first_step"] == 27
+    assert report["sync"]["outer_steps"] > 0
+    a, b = final_model(whole), final_model(killed)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (torchrun starts its workers in their own sessions, so a
     process-group kill would miss them), read from /proc."""

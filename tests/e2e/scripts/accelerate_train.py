@@ -22,7 +22,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     model, optimizer = accelerator.prepare(model, optimizer)
     session = attach(accelerator, model, lengths=lengths, loss_terms=terms, batch_size=args.batch_size,
-                     balance=args.balance, comm=args.comm, out_dir=args.out)
+                     balance=args.balance, comm=args.comm, sync=toy.sync_config(args), out_dir=args.out)
     loader = session.dataloader(toy.Sequences(seqs), collate_fn=toy.collate)
     for step, batch in session.steps(loader):
         assert batch["index"].tolist() == step.indices.tolist()

@@ -57,7 +57,7 @@ def main() -> None:
     lengths, terms = toy.lengths_and_terms(seqs)
     dataset = toy.Sequences(seqs)
     strategy = PoiseStrategy(lengths=lengths, loss_terms=terms, batch_size=args.batch_size, balance=args.balance,
-                             comm=args.comm, out_dir=args.out)
+                             comm=args.comm, sync=toy.sync_config(args), out_dir=args.out)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=args.epochs,
                          accumulate_grad_batches=args.accumulate,
                          limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from poise.config import SyncConfig
+
 VOCAB = 32
 NUM_SAMPLES = 96
 IGNORE = -100
@@ -91,9 +93,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--balance", default="cost")
     parser.add_argument("--comm", default="fp16")
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--sync", default="step", help="poise.SyncConfig's mode")
+    parser.add_argument("--inner-steps", type=int, default=20, help="poise.SyncConfig's inner_steps")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--resume", type=Path, default=None, help="a Lightning checkpoint to continue from")
     return parser.parse_args()
+
+
+def sync_config(args: argparse.Namespace) -> SyncConfig:
+    """The session's ``sync=`` from the flags."""
+    return SyncConfig(mode=args.sync, inner_steps=args.inner_steps)
 
 
 def save_first_step(out: Path, rank: int, batches: list[list[int]], model: nn.Module) -> None:

@@ -85,12 +85,14 @@ def launch_step(fragment: int, count: int, inner_steps: int) -> int:
     return ((fragment + 1) * inner_steps // count) % inner_steps
 
 
-def choose_inner_steps(sync_s: float, compute_s: float, max_overhead: float) -> int:
+def choose_inner_steps(sync_s: float, compute_s: float, max_overhead: float, steps_left: int | None = None) -> int:
     """``auto``'s H: 1 (synchronize every step) when one synchronization costs at most
-    ``max_overhead`` of a step's compute, else the fewest inner steps that keep it there."""
+    ``max_overhead`` of a step's compute, else the fewest inner steps that keep it there, and
+    at most a tenth of the ``steps_left`` (if known): DiLoCo needs rounds to converge."""
     if compute_s <= 0 or sync_s <= max_overhead * compute_s:
         return 1
-    return max(AUTO_MIN_INNER, min(AUTO_MAX_INNER, math.ceil(sync_s / (max_overhead * compute_s))))
+    cap = AUTO_MAX_INNER if steps_left is None else max(AUTO_MIN_INNER, min(AUTO_MAX_INNER, steps_left // 10))
+    return max(AUTO_MIN_INNER, min(cap, math.ceil(sync_s / (max_overhead * compute_s))))
 
 
 @dataclass
@@ -265,7 +267,8 @@ class Outer:
                              sorted(t[1] for t in timed)[len(timed) // 2]], dtype=torch.float64)
         dist.all_reduce(mine)
         compute_s, sync_s = (float(v) / self.world_size for v in mine)
-        h = choose_inner_steps(sync_s, compute_s, self.config.auto_max_overhead)
+        left = self.last_step - self.steps if self.last_step is not None else None
+        h = choose_inner_steps(sync_s, compute_s, self.config.auto_max_overhead, left)
         overhead = sync_s / compute_s if compute_s > 0 else 0.0
         if h == 1:
             self.per_step = True
@@ -276,7 +279,8 @@ class Outer:
             self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
             why = (f"one full synchronization takes {sync_s:.3f} s against {compute_s:.3f} s of compute a step "
                    f"({overhead:.0%} > {self.config.auto_max_overhead:.0%}): DiLoCo every {h} steps keeps it to "
-                   f"{overhead / h:.1%} of compute")
+                   f"{overhead / h:.1%} of compute" + ("" if left is None or h < left // 10 else
+                                                       f" (at most a tenth of the {left} steps left)"))
         self.choice = {"mode": "step" if h == 1 else "diloco", "inner_steps": h, "compute_s": compute_s,
                        "sync_s": sync_s, "why": why}
         log.info("sync auto: %s", why)

@@ -223,6 +223,7 @@ def test_auto_picks_per_step_sync_when_it_is_cheap_and_the_fewest_inner_steps_ot
     assert choose_inner_steps(0.5, 1.0, 0.05) == 10
     assert choose_inner_steps(100.0, 1.0, 0.05) == 500
     assert choose_inner_steps(0.06, 1.0, 0.05) == 2
+    assert choose_inner_steps(0.5, 1.0, 0.05, steps_left=50) == 5  # ten rounds at least
 
 
 def _auto(rank: int, world_size: int) -> dict:

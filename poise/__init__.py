@@ -4,7 +4,7 @@ In your own training script, :class:`Session` is the whole API: it wraps your mo
 with poise's gradient codec and timing probe, gives your DataLoader a balanced batch sampler,
 weights each step's loss so unequal batches give the exact gradient, measures every rank,
 re-plans from measured speeds, bounds each step by a shared deadline under stragglers
-(``straggler=``), and writes report.json, timeline.png and trace.json.
+(``straggler=``) or synchronizes only every few steps (``sync=``: local SGD, DiLoCo), and writes report.json, timeline.png and trace.json.
 Adapters: ``poise.integrations.lightning`` and ``poise.integrations.accelerate``.
 
 The pieces are public too: ``poise.balance`` (samplers, planner, the balance metric, stage
@@ -21,10 +21,11 @@ from poise.config import (
     MetricsConfig,
     RunConfig,
     StragglerConfig,
+    SyncConfig,
 )
 from poise.run.data import Data
 from poise.run.session import DeadlineStep, Session, Step
 
 __all__ = ["BalanceConfig", "CommConfig", "Data", "DeadlineStep", "DiagnosticsConfig", "EmulateConfig",
-           "MetricsConfig", "RunConfig", "Session", "Step", "StragglerConfig"]
+           "MetricsConfig", "RunConfig", "Session", "Step", "StragglerConfig", "SyncConfig"]
 __version__ = "0.1.0"

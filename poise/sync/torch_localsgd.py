@@ -2,8 +2,9 @@
 
 What torch ships for it (Lin et al., "Don't use large mini-batches, use local SGD", ICLR 2020,
 https://arxiv.org/abs/1808.07217), used as its docs show: DDP with ``post_localSGD_hook``
-(``PostLocalSGDState``) and a ``PeriodicModelAverager(period=H, warmup_steps=W)`` called
-after every optimizer step. For the first ``W`` optimizer steps the hook all-reduces every
+(``PostLocalSGDState``) and a ``PeriodicModelAverager(period=H, warmup_steps=W)`` whose rule
+runs after every optimizer step (see :meth:`TorchLocalSGD.end_step` for why its averaging
+function is called directly). For the first ``W`` optimizer steps the hook all-reduces every
 gradient bucket over the whole world (plain DDP); from then on only within the rank's
 subgroup, and the averager all-reduces the parameters over the world every ``H`` steps
 (``H = sync.inner_steps``; ``W`` is the run's uncompressed warm-up, ``comm.start_step``).
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.algorithms.model_averaging import utils as averaging
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel
 
@@ -94,13 +96,14 @@ class TorchLocalSGD:
 
     Args:
         model: a plain module (wrapped here in DDP).
-        sync: ``inner_steps`` is the averaging period H.
         comm: its ``bucket_mb`` sizes DDP's buckets; the codec must be ``none`` (torch's hook).
+        sync: ``inner_steps`` is the averaging period H.
         clock: what the probe's marks are.
-        warmup_steps: optimizer steps of plain DDP first (torch's ``start_localSGD_iter`` and
-            the averager's ``warmup_steps``, equal as torch's docs require).
-        ranks_per_node: ranks per subgroup (None: ``LOCAL_WORLD_SIZE``, else the world).
+        backend: the process group's backend (torch's hook runs on any).
+        compression_start: optimizer steps of plain DDP first, W (torch's
+            ``start_localSGD_iter`` and the averager's ``warmup_steps``, equal as its docs require).
         outer: hook wrappers applied around the probe (an emulated slower device).
+        ranks_per_node: ranks per subgroup (None: ``LOCAL_WORLD_SIZE``, else the world).
 
     Raises:
         ValueError: one line, for a codec or collective other than torch's own hook, or a
@@ -111,13 +114,14 @@ class TorchLocalSGD:
     replicas_agree = False
     trial = None  # no comm.codec=auto trial: the recorder reads it
 
-    def __init__(self, model: nn.Module, sync: SyncConfig, comm: CommConfig, *, clock: Clock, warmup_steps: int,
-                 ranks_per_node: int | None = None, outer: Sequence[HookWrapper] = ()) -> None:
+    def __init__(self, model: nn.Module, comm: CommConfig, sync: SyncConfig, *, clock: Clock, backend: str,
+                 compression_start: int, outer: Sequence[HookWrapper] = (), ranks_per_node: int | None = None) -> None:
+        warmup_steps = compression_start
         if comm.codec != "none" or comm.collective != "flat":
             raise ValueError(f"sync.mode='torch-localsgd' runs torch's post_localSGD_hook: comm.codec={comm.codec!r} "
                              f"and comm.collective={comm.collective!r} must stay 'none' and 'flat'")
         if warmup_steps < 0:
-            raise ValueError(f"torch-localsgd: warmup_steps={warmup_steps} must be >= 0")
+            raise ValueError(f"torch-localsgd: compression_start={warmup_steps} (the warm-up) must be >= 0")
         world = dist.get_world_size()
         size = ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if not 1 <= size <= world or world % size:
@@ -140,7 +144,8 @@ class TorchLocalSGD:
             hook = wrap(hook)
         self.model.register_comm_hook(self.state, hook)
         self.averager = PeriodicModelAverager(period=sync.inner_steps, warmup_steps=warmup_steps)
-        self._param_bytes = sum(p.numel() * p.element_size() for p in params)
+        self._trainable = [p for p in params if p.requires_grad]
+        self._param_bytes = sum(p.numel() * p.element_size() for p in self._trainable)
         self._no_sync: Any = None
         self.averages = 0
 
@@ -167,8 +172,14 @@ class TorchLocalSGD:
             self.state.expected = False
 
     def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
-        """After an optimizer step: the averager (it averages the parameters over the world
-        when its own step count says so, torch's rule, which is read first to count bytes)."""
+        """After an optimizer step: ``PeriodicModelAverager.average_parameters``'s rule and
+        torch's averaging function (``model_averaging.utils.average_parameters``, one flat
+        all-reduce over the world) on the parameters that require a gradient.
+
+        Why not the averager's method itself: it averages only parameters whose ``.grad`` is
+        set, and a loop that clears gradients in its optimizer step (``poise train``'s does,
+        with ``set_to_none``) would leave it nothing to average (``torch.cat`` of an empty list).
+        """
         if not optimizer_step:
             return
         a = self.averager
@@ -177,7 +188,8 @@ class TorchLocalSGD:
             self.state.counters.add(raw_bytes=self._param_bytes, wire_bytes=self._param_bytes)
             if self.state.spans_nodes:
                 self.state.inter_node_counters.add(raw_bytes=self._param_bytes, wire_bytes=self._param_bytes)
-        a.average_parameters(self.model.parameters())
+            averaging.average_parameters(iter(self._trainable), a.process_group)
+        a.step += 1
 
     def between_steps(self) -> bool:
         return False

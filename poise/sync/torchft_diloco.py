@@ -11,8 +11,10 @@ rank is a replica group of its own (world size 1), so the outer all-reduce spans
   runs a TCPStore for its replica group and a manager server on its own address. The address
   is the one this host uses to reach ``MASTER_ADDR`` (on the emulated cluster, the node's
   link; alone, 127.0.0.1), so every node reaches it;
-- the parameters are broadcast from rank 0 first (``init_sync=False``: torchft's own step-0
-  sync would fetch the whole state over its HTTP checkpoint transport);
+- the model is wrapped in DDP (which broadcasts rank 0's parameters: torchft's own step-0
+  sync, ``init_sync``, would fetch the whole state over its HTTP checkpoint transport, so it
+  is off) and every forward runs under DDP's ``no_sync``, as ``Outer``'s inner steps do: no
+  gradient leaves the rank, and the training loop sees the same DDP model as elsewhere;
 - torchft's DiLoCo counts inner steps with hooks on an optimizer's ``step``; the user's
   optimizer is not this object's to hook, so a parameterless trigger optimizer is stepped in
   :meth:`end_step` after each optimizer step: torchft's hooks run exactly when they would.
@@ -36,7 +38,7 @@ import logging
 import os
 import socket
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -44,11 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from poise.comm.probe import BucketProbe
 from poise.comm.state import Counters, StepStats
 from poise.comm.topology import default_group_timeout
+from poise.config import CommConfig
 from poise.config.sync import SyncConfig
 from poise.runtime.clock import Clock
+from poise.sync.allreduce import AllReduce, HookWrapper
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +85,11 @@ class TorchftDiLoCo:
     """torchft's DiLoCo, each rank its own replica group (see module doc); a :class:`~poise.sync.Sync`.
 
     Args:
-        model: a plain module (not wrapped: nothing is reduced in backward).
+        model: a plain module (wrapped here in DDP, every forward under ``no_sync``).
+        comm: its codec must be ``none`` (no gradient is reduced per step).
         sync: ``inner_steps`` (torchft's ``sync_every``), ``outer_lr``, ``outer_momentum``.
-        clock: what the probe's marks are.
+        clock, backend, compression_start, outer: as :class:`~poise.sync.AllReduce`'s (its
+            DDP wrapping and probe; its all-reduce never runs).
         ranks_per_node: for the inter-node counters (None: ``LOCAL_WORLD_SIZE``, else the world).
 
     Raises:
@@ -95,7 +100,11 @@ class TorchftDiLoCo:
     replicas_agree = False
     trial = None  # no comm.codec=auto trial: the recorder reads it
 
-    def __init__(self, model: nn.Module, sync: SyncConfig, *, clock: Clock, ranks_per_node: int | None = None) -> None:
+    def __init__(self, model: nn.Module, comm: CommConfig, sync: SyncConfig, *, clock: Clock, backend: str,
+                 compression_start: int, outer: Sequence[HookWrapper] = (), ranks_per_node: int | None = None) -> None:
+        if comm.codec != "none" or comm.collective != "flat":
+            raise ValueError(f"sync.mode='torchft-diloco' reduces no gradient per step: comm.codec={comm.codec!r} and "
+                             f"comm.collective={comm.collective!r} must stay 'none' and 'flat'")
         if sync.codec != "none":
             raise ValueError(f"sync.mode='torchft-diloco' sends plain fp32 on gloo (its quantization needs Triton and "
                              f"CUDA): sync.codec={sync.codec!r} must stay 'none'")
@@ -103,12 +112,12 @@ class TorchftDiLoCo:
         rank, world = dist.get_rank(), dist.get_world_size()
         per_node = ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.sync = sync
-        self.model = model
-        self.probe = BucketProbe(clock)
+        # DDP broadcasts rank 0's parameters (torchft's init_sync is off); its hook never runs
+        self.inner = AllReduce(model, comm, clock=clock, backend=backend, compression_start=compression_start,
+                               outer=outer)
+        self.model = self.inner.model
+        self.probe = self.inner.probe
         self._spans_nodes = world > per_node
-        with torch.no_grad():  # torchft's init_sync is off: the replicas start alike here
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
         timeout = default_group_timeout() or timedelta(minutes=30)
         address = own_address()
         self._lighthouse = None
@@ -124,13 +133,15 @@ class TorchftDiLoCo:
             store_port=self._store.port, lighthouse_addr=url[0], replica_id=f"poise_{rank}", port=0,
             hostname=address, init_sync=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
         self._trigger = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
-        self.outer_optimizer = torch.optim.SGD(model.parameters(), lr=sync.outer_lr, momentum=sync.outer_momentum,
+        module = self.model.module
+        self.outer_optimizer = torch.optim.SGD(module.parameters(), lr=sync.outer_lr, momentum=sync.outer_momentum,
                                                nesterov=sync.outer_momentum > 0)
-        self.diloco = local_sgd.DiLoCo(self.manager, [model], self._trigger, self.outer_optimizer,
+        self.diloco = local_sgd.DiLoCo(self.manager, [module], self._trigger, self.outer_optimizer,
                                        sync_every=sync.inner_steps)
         self.diloco.__enter__()
         self._closer = weakref.finalize(self, _close, self.manager, self._lighthouse)
-        self._param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self._params = len(list(module.parameters()))
+        self._param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         self._counters, self._inter = Counters(), Counters()
         self.inner_steps_done = 0  # optimizer steps since the run began
         self.outer_steps = 0
@@ -143,21 +154,23 @@ class TorchftDiLoCo:
         self._inter.reset()
 
     def micro_batch(self, last: bool) -> None:
-        """Nothing: the model is not wrapped, every backward only accumulates."""
+        """Every forward under DDP's ``no_sync`` (left when the step ends)."""
+        self.inner.micro_batch(False)
 
     def backward(self, run: Callable[[], None]) -> None:
-        run()
+        self.inner.backward(run)
 
     def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
         """After an optimizer step: torchft's hooks (via the trigger); every ``inner_steps``-th
         they all-reduce the pseudo-gradient and take the outer step, waiting for every replica."""
+        self.inner.micro_batch(True)  # leave no_sync: the step is over
         if not optimizer_step:
             return
         self.inner_steps_done += 1
         if self.inner_steps_done % self.sync.inner_steps == 0:  # torchft's sync_every, one fragment
             self.outer_steps += 1
             self._counters.add(raw_bytes=self._param_bytes, wire_bytes=self._param_bytes,
-                               buckets=len(list(self.model.parameters())))
+                               buckets=self._params)
             if self._spans_nodes:
                 self._inter.add(raw_bytes=self._param_bytes, wire_bytes=self._param_bytes)
         self._trigger.step()
@@ -169,7 +182,7 @@ class TorchftDiLoCo:
         return self._counters.snapshot(), self._inter.snapshot()
 
     def settle(self, forward_backward: Callable[[], None]) -> None:
-        """Nothing to settle (no DDP buckets)."""
+        """Nothing to settle: no bucket is ever reduced, so no state is keyed by DDP's layout."""
 
     # -- state -----------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ def _drive(sync: Any, steps: int, rank: int, lr: float = 0.1) -> list[dict[str, 
         loss = nn.functional.mse_loss(sync.model(x), y)
         sync.backward(loss.backward)
         opt.step()
+        opt.zero_grad(set_to_none=True)  # as poise train's loop does before the step ends
         sync.end_step(i, tokens=8.0, optimizer_step=True)
         stats, inter = sync.traffic()
         out.append({"params": _params(sync.model), "wire": stats.wire_bytes, "inter": inter.wire_bytes})
@@ -58,12 +59,13 @@ def _localsgd(rank: int, world_size: int, inner_steps: int, warmup: int, steps: 
     refused = []
     for comm, per_node in ((CommConfig(codec="fp16"), 1), (CommConfig(), 3)):
         try:
-            TorchLocalSGD(_model(), SyncConfig(mode="torch-localsgd"), comm, clock=HostClock(), warmup_steps=1,
-                          ranks_per_node=per_node)
+            TorchLocalSGD(_model(), comm, SyncConfig(mode="torch-localsgd"), clock=HostClock(), backend="gloo",
+                          compression_start=1, ranks_per_node=per_node)
         except ValueError as exc:
             refused.append(str(exc))
-    sync = TorchLocalSGD(_model(), SyncConfig(mode="torch-localsgd", inner_steps=inner_steps), CommConfig(),
-                         clock=HostClock(), warmup_steps=warmup, ranks_per_node=1)  # each rank a node of its own
+    sync = TorchLocalSGD(_model(), CommConfig(), SyncConfig(mode="torch-localsgd", inner_steps=inner_steps),
+                         clock=HostClock(), backend="gloo", compression_start=warmup,
+                         ranks_per_node=1)  # each rank a node of its own
     records = _drive(sync, steps, rank)
     return {"records": records, "refused": refused, "summary": sync.summary(), "state": sync.state_dict(),
             "param_bytes": sum(p.numel() * 4 for p in sync.model.parameters())}
@@ -102,13 +104,20 @@ def test_torch_localsgd_averages_every_h_steps() -> None:
 def _torchft(rank: int, world_size: int, inner_steps: int, steps: int) -> dict[str, Any]:
     from poise.sync.torchft_diloco import TorchftDiLoCo
 
-    try:
-        TorchftDiLoCo(_model(), SyncConfig(mode="torchft-diloco", codec="int8"), clock=HostClock())
-        refused = ""
-    except ValueError as exc:
-        refused = str(exc)
-    sync = TorchftDiLoCo(_model(), SyncConfig(mode="torchft-diloco", inner_steps=inner_steps), clock=HostClock(),
-                         ranks_per_node=1)
+    common = {"clock": HostClock(), "backend": "gloo", "compression_start": 2}
+    refused = []
+    for comm, sync_config in ((CommConfig(), SyncConfig(mode="torchft-diloco", codec="int8")),
+                              (CommConfig(codec="fp16"), SyncConfig(mode="torchft-diloco"))):
+        try:
+            TorchftDiLoCo(_model(), comm, sync_config, **common)
+        except ValueError as exc:
+            refused.append(str(exc))
+    model = _model()
+    with torch.no_grad():  # replicas that start apart: only rank 0's broadcast makes them equal
+        for p in model.parameters():
+            p.add_(rank)
+    sync = TorchftDiLoCo(model, CommConfig(), SyncConfig(mode="torchft-diloco", inner_steps=inner_steps),
+                         ranks_per_node=1, **common)
     start = _params(sync.model)
     # the local parameters before each outer step: the step they take is checked against them
     opt = torch.optim.SGD(sync.model.parameters(), lr=0.1)
@@ -144,7 +153,7 @@ def test_torchft_diloco_two_ranks() -> None:
         pytest.skip(f"torchft is not installed (pip install 'poise[bench]'): {type(exc).__name__}: {exc}")
     h, steps = 2, 4
     a, b = run_ranks(_torchft, 2, timeout_s=120, inner_steps=h, steps=steps)
-    assert "sync.codec='int8'" in a["refused"]
+    assert "sync.codec='int8'" in a["refused"][0] and "comm.codec='fp16'" in a["refused"][1]
     assert torch.equal(a["start"], b["start"])  # rank 0's parameters broadcast at the start
     global_params = a["start"]
     for i, (ra, rb) in enumerate(zip(a["records"], b["records"], strict=True)):

@@ -11,10 +11,11 @@ d_model 512, 6 layers, 16 sequences of 32 bytes per rank per step: ``network.py`
   5 warm-up steps of DDP, then gradients averaged within each node and parameters across nodes
   every ``inner_steps``);
 - ``torchft-diloco``: torchft 0.2.0's ``DiLoCo`` (optional extra ``poise[bench]``), which runs on
-  gloo. Where it cannot be imported or its job fails, its faithful equivalent
-  ``diloco-as-torchft`` runs instead and the table and JSON say so: poise's DiLoCo with
-  torchft's behaviour (equal weighting of the replicas, no compression, the static sharding,
-  every outer step waiting for the slowest worker);
+  gloo and across the emulated nodes. Where it cannot be imported or its job fails, its
+  faithful equivalent ``diloco-as-torchft`` runs instead and the table and JSON say so:
+  poise's DiLoCo with torchft's behaviour (equal weighting of the replicas, no compression, the
+  static sharding, every outer step waiting for the slowest worker), which computes the same
+  parameters as torchft's (``tests/dist/test_sync_baselines.py``);
 - ``diloco``, ``streaming-int8`` (Streaming DiLoCo with int8 outer deltas) and ``auto`` (poise's
   choice between per-step and outer-step synchronization, from measurements).
 
@@ -335,6 +336,7 @@ def show(rows: Sequence[dict[str, Any]], plan: Plan) -> None:
         ("bytes_per_token", "bytes/token", lambda v: "-" if v is None else f"{v:,.0f}"),
     ])
     if any(r["run"] == EQUIVALENT for r in rows):
-        make_console().print(f"{EQUIVALENT}: torchft's DiLoCo did not run (see torchft_error and the failed jobs in "
-                             "the JSON); in its place poise's DiLoCo with torchft's behaviour: equal weighting, no "
-                             "compression, static sharding, every outer step waiting for the slowest worker")
+        make_console().print(f"{EQUIVALENT}: poise's DiLoCo with torchft's behaviour (equal weighting, no compression, "
+                             "static sharding, every outer step waiting for the slowest worker; the same parameters "
+                             "as torchft's DiLoCo, tests/dist/test_sync_baselines.py), where torchft's did not run or "
+                             "was asked for (torchft_error and failed jobs: in the JSON)")

@@ -171,3 +171,44 @@ def test_torchft_diloco_two_ranks() -> None:
         global_params = ra["params"]
     assert a["summary"]["outer_steps"] == steps // h and a["summary"]["torchft_step"] == steps // h
     assert a["momentum_keys"] == 4  # the outer optimizer's momentum, one buffer per parameter
+
+
+def _equivalent(rank: int, world_size: int, mode: str, steps: int) -> torch.Tensor:
+    """``steps`` steps of AdamW through torchft's DiLoCo or poise's (equal weighting): the parameters."""
+    from poise.sync.outer import Outer
+    from poise.sync.torchft_diloco import TorchftDiLoCo
+
+    common = {"clock": HostClock(), "backend": "gloo", "compression_start": 2}
+    config = SyncConfig(mode=mode, inner_steps=2, weighting="equal")
+    sync = (TorchftDiLoCo(_model(), CommConfig(), config, ranks_per_node=1, **common) if mode == "torchft-diloco"
+            else Outer(_model(), CommConfig(), config, world_size=world_size, last_step=steps, **common))
+    opt = torch.optim.AdamW(sync.model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(100 + rank)
+    for i in range(steps):
+        x, tokens = torch.randn(4 + 4 * rank, 4, generator=g) + rank, 4.0 + 4 * rank  # unequal batches
+        sync.begin_step(i)
+        sync.micro_batch(True)
+        loss = sync.model(x).pow(2).mean()
+        sync.backward(loss.backward)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync.end_step(i, tokens=tokens, optimizer_step=True)
+    params = _params(sync.model)
+    if isinstance(sync, TorchftDiLoCo):
+        sync.close()
+    dist.barrier()
+    return params
+
+
+@pytest.mark.timeout(150)
+def test_poise_diloco_with_equal_weighting_is_torchft_diloco() -> None:
+    # the bench's faithful equivalent: the same outer Nesterov step on the equally weighted change
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"torchft is not installed (pip install 'poise[bench]'): {type(exc).__name__}: {exc}")
+    theirs = run_ranks(_equivalent, 2, timeout_s=120, mode="torchft-diloco", steps=6)
+    ours = run_ranks(_equivalent, 2, timeout_s=120, mode="diloco", steps=6)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours[0], ours[1])  # replicas equal after the last outer step (step 6)

@@ -31,8 +31,9 @@ take ``--extra-steps`` more with the reference's learning-rate schedule, evaluat
 ``--eval-every`` steps and stops once it reaches the target. Per run: training seconds to the
 target (evaluations left out; linear between evaluations; "not reached"), speed-up against
 ``ddp`` and against torchft's DiLoCo at the same link, the ratio to the same run at the floor,
-the final eval loss, each worker's compute utilization (its forward and backward seconds over
-its seconds in steps) and the bytes every worker sent per token trained. With several
+the final eval loss, each worker's compute utilization (its forward, backward and optimizer
+seconds over its seconds in steps: ``report.json``'s ``per_rank``) and the bytes every worker
+sent per token trained (``wire_bytes_per_token``). With several
 ``--seeds``, the rows are medians over the seeds (a run that did not reach the target counts
 as slower than any that did) and the per-seed runs are in the JSON too.
 
@@ -50,11 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from poise.bench.harness import output_dir, require_positive, run_train_job, save_results, show_table
 from poise.bench.network import MODEL_ARGS, time_to_target
-from poise.diagnostics.timeline import column, load_table
 from poise.log import make_console
 from poise.sync.torchft_diloco import load_torchft
 from poise.units import link_rate_bit_per_s
@@ -207,7 +205,7 @@ def _one(out: Path, link: str, slow: bool, label: str, seed: int, model: list[st
         return [failed, *_one(out, link, slow, EQUIVALENT, seed, model, plan, target)]
     if label == "ddp" and target["loss"] is None:
         target["loss"] = float(report["eval_loss"])
-    row = measure(report, load_table(out / name / "timeline.npz"), target["loss"])
+    row = measure(report, target["loss"])
     return [{"run": label, "link": link, "slow": slow, "seed": seed, **row}]
 
 
@@ -226,24 +224,21 @@ def job_flags(label: str, link: str, slow: bool, seed: int, model: Sequence[str]
     return flags
 
 
-def measure(report: dict[str, Any], table: np.ndarray, target: float | None) -> dict[str, Any]:
-    """A run's figures from its ``report.json`` and ``timeline.npz`` table (``[ranks, steps, fields]``).
-
-    ``compute_utilization``: per worker, its forward and backward seconds over its seconds in
-    steps (all steps; evaluations are outside them); ``bytes_per_token``: every byte the
-    workers put into collectives over every token they trained (outer steps send rarely, so a
-    per-step median would read 0).
-    """
-    compute, step_s = column(table, "compute_s").sum(axis=1), column(table, "step_s").sum(axis=1)
-    tokens = float(column(table, "tokens").sum())
+def measure(report: dict[str, Any], target: float | None) -> dict[str, Any]:
+    """A run's figures from its ``report.json``: time to ``target`` from ``eval_curve``,
+    ``compute_utilization`` per worker (``per_rank``: forward, backward and optimizer seconds
+    over its seconds in steps, emulated slowness counted as compute) and ``bytes_per_token``
+    (``wire_bytes_per_token``: every byte the workers put into collectives over every token
+    they trained; outer steps send rarely, so a per-step median would read 0)."""
+    curve = report["eval_curve"]
     return {
         "steps": int(report["steps"]),
-        "time_to_target_s": time_to_target(report["eval_curve"], target) if target is not None else None,
+        "time_to_target_s": time_to_target(curve, target) if target is not None else None,
         "target_eval_loss": target,
         "final_eval_loss": float(report["eval_loss"]),
-        "compute_utilization": [float(c / s) if s > 0 else None for c, s in zip(compute, step_s, strict=True)],
-        "bytes_per_token": float(column(table, "wire_bytes").sum()) / tokens if tokens else None,
-        "train_s": float(report["eval_curve"][-1]["train_s"]) if report["eval_curve"] else None,
+        "compute_utilization": [float(r["compute_utilization"]) for r in report["per_rank"]],
+        "bytes_per_token": float(report["wire_bytes_per_token"]),
+        "train_s": float(curve[-1]["train_s"]) if curve else None,
         "sync": report.get("sync"),
     }
 

@@ -1,16 +1,14 @@
 """``poise bench outer``: its flags (one line, exit 2), the flags of each job, and the rows and
-table from synthetic reports and timelines (no job runs)."""
+table from synthetic reports (no job runs)."""
 
 from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import pytest
 
 from poise.bench import outer
 from poise.cli import main
-from poise.diagnostics.timeline import FIELDS
 
 
 def _args(**changes: object) -> argparse.Namespace:
@@ -71,30 +69,21 @@ def test_job_flags_keep_the_reference_schedule_and_stop_at_its_loss() -> None:
     assert slow[slow.index("--cluster") + 1] == "2:2"
 
 
-def _table(compute_s: list[float], step_s: list[float], wire: list[int], tokens: int, steps: int = 4) -> np.ndarray:
-    """A timeline of ``len(compute_s)`` ranks: each step's forward = backward = half its compute."""
-    table = np.zeros((len(compute_s), steps, len(FIELDS)))
-    for r, (c, s, w) in enumerate(zip(compute_s, step_s, wire, strict=True)):
-        table[r, :, FIELDS.index("forward_s")] = c / 2
-        table[r, :, FIELDS.index("backward_s")] = c / 2
-        table[r, :, FIELDS.index("step_s")] = s
-        table[r, -1, FIELDS.index("wire_bytes")] = w  # an outer step sends once, at the end
-        table[r, :, FIELDS.index("tokens")] = tokens
-    return table
-
-
-def _report(curve: list[tuple[int, float, float]], final: float) -> dict:
-    return {"steps": curve[-1][0], "eval_loss": final,
+def _report(curve: list[tuple[int, float, float]], final: float, utilization: list[float],
+            per_token: float) -> dict:
+    return {"steps": curve[-1][0], "eval_loss": final, "wire_bytes_per_token": per_token,
+            "per_rank": [{"rank": r, "compute_utilization": u} for r, u in enumerate(utilization)],
             "eval_curve": [{"step": s, "train_s": t, "loss": v} for s, t, v in curve]}
 
 
-def test_measure_reads_utilization_per_worker_and_bytes_per_token_over_the_whole_run() -> None:
-    report = _report([(10, 10.0, 3.0), (20, 20.0, 2.0)], 2.0)
-    row = outer.measure(report, _table([0.9, 0.45], [1.0, 1.0], [1000, 3000], tokens=50), target=2.5)
-    assert row["compute_utilization"] == pytest.approx([0.9, 0.45])
-    assert row["bytes_per_token"] == pytest.approx(4000 / (2 * 4 * 50))  # a per-step median would be 0
+def test_measure_reads_the_report_time_to_target_utilization_per_worker_and_bytes_per_token() -> None:
+    report = _report([(10, 10.0, 3.0), (20, 20.0, 2.0)], 2.0, [0.9, 0.45], 12.5)
+    row = outer.measure(report, target=2.5)
+    assert row["compute_utilization"] == [0.9, 0.45] and row["bytes_per_token"] == 12.5
     assert row["time_to_target_s"] == pytest.approx(15.0)  # halfway between 3.0 at 10 s and 2.0 at 20 s
-    assert outer.measure(report, _table([1.0], [1.0], [0], tokens=1), target=1.0)["time_to_target_s"] is None
+    assert row["final_eval_loss"] == 2.0 and row["steps"] == 20
+    assert outer.measure(report, target=1.0)["time_to_target_s"] is None  # not reached
+    assert outer.measure(report, target=None)["time_to_target_s"] is None  # no reference yet
 
 
 def _run(run: str, link: str, seed: int, time_s: float | None, util: list[float], slow: bool = False) -> dict:

@@ -167,20 +167,27 @@ FROM_OTHER_PAGES: dict[str, list[tuple[str, str]]] = {
 
 
 def _demo_shows_the_comparison(result: subprocess.CompletedProcess[str], workspace: Path) -> None:
-    """``make demo``: the table of ratios, compare.png, the diagnosis naming the slow rank, and the
-    slow-network pair run where a cluster can be built (else one line saying why not)."""
+    """``make demo``: the table of ratios (static, cost and dynamic with the slow rank: each over
+    static, and dynamic over cost) and the line crediting the gain to its two causes, compare.png,
+    the diagnosis naming the slow rank, and the slow-network comparison run where a cluster can
+    be built (else one line saying why not)."""
     import json
 
     out = workspace / "runs" / "demo"
-    assert "poise / baseline" in result.stdout and str(Path("runs/demo/compare.png")) in result.stdout
+    for text in ("cost / static", "dynamic / static", "dynamic / cost", "length bucketing (cost)",
+                 str(Path("runs/demo/compare.png"))):
+        assert text in result.stdout, text
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     data = json.loads((out / "demo.json").read_text())
     assert data["diagnosis"]["rule"] == "straggler" and data["diagnosis"]["rank"] == 1, data["diagnosis"]
-    pairs = [r["pair"] for r in data["ratios"]]
+    assert [r["name"] for r in data["runs"] if r["comparison"] == "slow-rank"] == ["static", "cost", "dynamic"]
+    ratios = [(r["comparison"], r["run"]) for r in data["ratios"]]
+    slow_rank = [("slow-rank", "cost / static"), ("slow-rank", "dynamic / static"), ("slow-rank", "dynamic / cost")]
     if cluster_support() is None:
-        assert pairs == ["slow-rank", "slow-link"], pairs
+        assert ratios == [*slow_rank, ("slow-link", "compressed / ddp")], ratios
     else:
-        assert pairs == ["slow-rank"] and "slow-network pair skipped: " in result.stdout, pairs
+        assert ratios == slow_rank and "slow-network comparison skipped: " in result.stdout, ratios
+    assert data["credit"].startswith("where the slow-rank gain in tokens/s comes from"), data["credit"]
     for row in data["runs"]:
         run_dir = workspace / row["dir"]  # as given to --out: relative to where the demo ran
         assert (run_dir / "report.json").is_file() and (run_dir / "trace.json").is_file(), run_dir

@@ -324,7 +324,7 @@ def show(rows: Sequence[dict[str, Any]], plan: Plan) -> None:
         ("time_to_target_s", "time to target", _seconds),
         ("speedup_vs_ddp", "vs DDP", _x),
         ("speedup_vs_torchft_diloco", versus, _x),
-        ("floor_ratio", "vs floor", _x),
+        ("floor_ratio", "time / floor's", _x),
         ("final_eval_loss", "final eval loss", lambda v: f"{v:.4f}"),
         ("compute_utilization", "compute utilization per worker",
          lambda v: " ".join("-" if u is None else f"{u:.2f}" for u in v)),

@@ -4,7 +4,8 @@ In your own training script, :class:`Session` is the whole API: it wraps your mo
 with poise's gradient codec and timing probe, gives your DataLoader a balanced batch sampler,
 weights each step's loss so unequal batches give the exact gradient, measures every rank,
 re-plans from measured speeds, bounds each step by a shared deadline under stragglers
-(``straggler=``) or synchronizes only every few steps (``sync=``: local SGD, DiLoCo), and writes report.json, timeline.png and trace.json.
+(``straggler=``) or meets only every few steps (``sync=``: local SGD, DiLoCo), and writes
+report.json, timeline.png and trace.json.
 Adapters: ``poise.integrations.lightning`` and ``poise.integrations.accelerate``.
 
 The pieces are public too: ``poise.balance`` (samplers, planner, the balance metric, stage

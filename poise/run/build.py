@@ -37,7 +37,7 @@ from poise.run.data import Data, Sampler, plan_sampler
 from poise.run.record import Recorder
 from poise.runtime import memory
 from poise.runtime.clock import Clock, clock_for
-from poise.sync import AllReduce, Deadline, Outer, Sync
+from poise.sync import AllReduce, Deadline, Outer, Sync, TorchftDiLoCo, TorchLocalSGD
 
 
 @dataclass
@@ -111,8 +111,11 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     start = registry.compression_start(comm, data.total_steps or 0, data.lr_warmup_steps)
     common: dict[str, Any] = {"clock": clock, "backend": backend, "compression_start": start,
                               "outer": [emulation.slowdown.wrap_hook]}
-    sync: AllReduce | Deadline | Outer
-    if sync_config.outer:
+    sync: AllReduce | Deadline | Outer | TorchLocalSGD | TorchftDiLoCo
+    baselines = {"torch-localsgd": TorchLocalSGD, "torchft-diloco": TorchftDiLoCo}  # other libraries', to compare
+    if sync_config.mode in baselines:
+        sync = baselines[sync_config.mode](model, comm, sync_config, **common)
+    elif sync_config.outer:
         sync = Outer(model, comm, sync_config, world_size=world_size, last_step=data.total_steps, **common)
     elif deadline:
         cost = getattr(sampler, "cost_fn", None)

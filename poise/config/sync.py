@@ -27,6 +27,9 @@ class SyncConfig:
         "torchft-diloco: other libraries' versions, for comparison"
     )
     inner_steps: int = setting(20, "optimizer steps between two outer steps (H; streaming: of each fragment)")
+    warmup_steps: int = setting(
+        0, "optimizer steps synchronized every step (DDP's all-reduce, [comm]) before the first outer round: the "
+        "early steps, where the ranks' models would drift apart most (post-local SGD's warm-up)")
     outer_lr: float = setting(0.7, "diloco, streaming: the outer SGD's learning rate (local_sgd: 1)")
     outer_momentum: float = setting(0.9, "diloco, streaming: the outer SGD's Nesterov momentum (0 = none)")
     fragments: int = setting(4, "streaming: the model's parts, synchronized in turn, one every inner_steps/fragments")
@@ -52,6 +55,8 @@ class SyncConfig:
             raise ValueError(f"sync.mode={self.mode!r} is unknown: allowed are {', '.join(SYNC_MODES)}")
         if not 1 <= self.inner_steps <= MAX_INNER_STEPS:
             raise ValueError(f"sync.inner_steps={self.inner_steps!r} is outside 1..{MAX_INNER_STEPS}")
+        if not 0 <= self.warmup_steps <= MAX_INNER_STEPS * 100:
+            raise ValueError(f"sync.warmup_steps={self.warmup_steps!r} is outside 0..{MAX_INNER_STEPS * 100}")
         if not 0.0 < self.outer_lr <= 10.0:
             raise ValueError(f"sync.outer_lr={self.outer_lr!r} is outside (0, 10]")
         if not 0.0 <= self.outer_momentum < 1.0:

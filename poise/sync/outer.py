@@ -136,6 +136,7 @@ class Outer:
         self.lr, self.momentum = (1.0, 0.0) if plain else (config.outer_lr, config.outer_momentum)
         self.inner_steps = 1 if config.mode == "auto" else config.inner_steps
         self.per_step = False  # auto chose to synchronize every step through the inner all-reduce
+        self.warmup_left = config.warmup_steps  # optimizer steps still synchronized every step first
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         count = config.fragments if config.mode == "streaming" else 1
         self.groups = fragments([p.numel() for p in self.params], count)
@@ -158,9 +159,14 @@ class Outer:
         return {"ratio": self.config.topk_ratio} if self.config.codec == "topk" else {}
 
     @property
+    def every_step(self) -> bool:
+        """Whether this step's gradients are all-reduced (the warm-up, or ``auto``'s choice)."""
+        return self.per_step or self.warmup_left > 0
+
+    @property
     def local_loss(self) -> bool:
-        """Each rank trains on its own mean loss, unless ``auto`` chose per-step sync."""
-        return not self.per_step
+        """Each rank trains on its own mean loss, except while every step synchronizes."""
+        return not self.every_step
 
     @property
     def trial(self) -> CodecTrial | None:
@@ -188,7 +194,7 @@ class Outer:
     def micro_batch(self, last: bool) -> None:
         """Per-step sync: as the inner all-reduce. Otherwise every forward runs under
         ``no_sync`` (entered before the forward, left at the step's end)."""
-        self.inner.micro_batch(last if self.per_step else False)
+        self.inner.micro_batch(last if self.every_step else False)
 
     def backward(self, run: Callable[[], None]) -> None:
         self.inner.backward(run)
@@ -198,20 +204,34 @@ class Outer:
         self.inner.end_step(index, tokens=tokens, optimizer_step=optimizer_step)
         if self.per_step:
             return
+        if self.warmup_left > 0:
+            if optimizer_step:
+                self.warmup_left -= 1
+                if self.warmup_left == 0:  # the ranks agree (DDP's steps): the first round starts here
+                    self._restart_rounds()
+            return
         self.tokens = [t + float(tokens) for t in self.tokens]
         if not optimizer_step:
             return
         compute_s = time.perf_counter() - self._step_began
-        self.steps += 1
+        self.steps += 1  # (after the warm-up's: those are counted from here on)
         final = self.last_step is not None and self.steps >= self.last_step
         self._apply_due(everything=final)
         sync_began = time.perf_counter()
         for fragment in range(len(self.groups)):
-            if final or self.steps % self.inner_steps == launch_step(fragment, len(self.groups), self.inner_steps):
+            if final or (self.steps - self.config.warmup_steps) % self.inner_steps == launch_step(
+                    fragment, len(self.groups), self.inner_steps):
                 self._launch(fragment, delay=0 if final else None)
         self._apply_due(everything=final)
         if self.config.mode == "auto" and self.choice is None:
             self._auto_trial(compute_s, time.perf_counter() - sync_began)
+
+    def _restart_rounds(self) -> None:
+        """Outer rounds start from the parameters every rank now holds alike."""
+        self.steps = self.config.warmup_steps
+        with torch.no_grad():
+            self.global_ = [self._flat(g).clone() for g in self.groups]
+        self.tokens = [0.0] * len(self.groups)
 
     def _launch(self, fragment: int, delay: int | None = None) -> None:
         """Start the outer all-reduce of ``fragment``'s weighted change (see module doc), to be
@@ -289,7 +309,7 @@ class Outer:
         return self.inner.between_steps()
 
     def traffic(self) -> tuple[StepStats, StepStats]:
-        if self.per_step:
+        if self.every_step or self.inner.state.step_stats().buckets:
             return self.inner.traffic()
         return self.counters.snapshot(), StepStats()
 
@@ -307,6 +327,7 @@ class Outer:
         self.pending = [Pending(p["fragment"], p["apply_after"], _done(p["result"])) for p in pending]
         return {"inner": self.inner.state_dict(), "steps": self.steps, "outer_steps": self.outer_steps,
                 "inner_steps": self.inner_steps, "per_step": self.per_step, "choice": self.choice,
+                "warmup_left": self.warmup_left,
                 "local": [self._flat(g) for g in self.groups], "global": [g.clone() for g in self.global_],
                 "momenta": [m.clone() for m in self.momenta], "tokens": list(self.tokens), "pending": pending,
                 "codec": self.codec.state_dict()}
@@ -318,6 +339,7 @@ class Outer:
         self.inner.load_state_dict(state["inner"])
         self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
         self.inner_steps, self.per_step = int(state["inner_steps"]), bool(state["per_step"])
+        self.warmup_left = int(state["warmup_left"])
         self.choice = state["choice"]
         if self.choice is not None and self.choice["mode"] == "diloco":
             self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
@@ -344,7 +366,8 @@ class Outer:
 
     def summary(self) -> dict[str, Any]:
         mode = self.config.mode if self.choice is None else f"auto: {self.choice['mode']}"
-        return {"mode": mode, "inner_steps": self.inner_steps, "fragments": len(self.groups),
+        return {"mode": mode, "inner_steps": self.inner_steps, "warmup_steps": self.config.warmup_steps,
+                "fragments": len(self.groups),
                 "outer_steps": self.outer_steps, "codec": self.config.codec, "weighting": self.config.weighting,
                 "outer_lr": self.lr, "outer_momentum": self.momentum, "auto": self.choice}
 

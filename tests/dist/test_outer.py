@@ -95,6 +95,20 @@ def test_inner_steps_send_nothing_and_ranks_meet_at_the_outer_step():
     assert r0["summary"]["outer_steps"] == 2 and r0["summary"]["mode"] == "diloco"
 
 
+def test_warmup_steps_synchronize_every_step_then_rounds_begin():
+    """sync.warmup_steps = 2: the first two steps all-reduce gradients as DDP does (the ranks'
+    parameters equal after each, bytes every step), then rounds of H = 2 begin: step 3 sends
+    nothing, step 4 is an outer step."""
+    results = run_ranks(_train, world_size=2, timeout_s=90,
+                        sync=SyncConfig(mode="diloco", inner_steps=2, warmup_steps=2), steps=6, adam=True, lr=0.01)
+    r0, r1 = results
+    assert r0["bytes"][0] > 0 and r0["bytes"][1] > 0 and r0["bytes"][2] == 0 and r0["bytes"][3] > 0
+    for index in (0, 1, 3, 5):
+        assert all(torch.equal(a, b) for a, b in zip(r0["params"][index], r1["params"][index], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(r0["params"][2], r1["params"][2], strict=True))
+    assert r0["summary"]["outer_steps"] == 2
+
+
 def _outer_by_hand(starts: list[list[torch.Tensor]], locals_: list[list[list[torch.Tensor]]], weights: list[float],
                    lr: float, mu: float) -> list[torch.Tensor]:
     """Two DiLoCo outer steps computed here, from each rank's parameters before each one."""

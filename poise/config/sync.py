@@ -45,7 +45,7 @@ class SyncConfig:
         "tokens", "how the ranks' changes are averaged: tokens (by the tokens each rank trained in the round: "
         "a rank given fewer samples counts less) or equal")
     auto_max_overhead: float = setting(
-        0.05, "auto: the largest share of compute time the outer all-reduce may add; H is the fewest inner "
+        0.15, "auto: the largest share of compute time the outer all-reduce may add; H is the fewest inner "
         "steps that keep it there")
     auto_trial_steps: int = setting(4, "auto: steps synchronized in full at the start, timed to choose")
 

@@ -49,9 +49,21 @@ def test_the_command_line_refuses_with_exit_2_and_one_line(capsys: pytest.Captur
 
 def test_variants_put_a_shaped_link_first_then_the_floor_then_the_slow_ones() -> None:
     variants, labels, plan = outer.parse(_args(links="floor,100mbit", slow_links="1gbit", runs="diloco,ddp",
-                                               seeds="2,0"))
+                                               seeds="2,0", short_links=""))
     assert variants == [("100mbit", False), ("floor", False), ("1gbit", True)]
     assert labels == ["ddp", "diloco"] and plan.seeds == (2, 0) and plan.cluster == "2:2"
+
+
+def test_short_links_run_ddp_briefly_after_a_full_link_sets_the_target() -> None:
+    variants, _labels, plan = outer.parse(_args(links="100mbit,1gbit", runs="ddp,local-sgd", short_steps=7,
+                                                slow_links=""))
+    assert variants == [("1gbit", False), ("100mbit", False)] and plan.short_links == ("100mbit",)
+    flags = outer.job_flags("ddp", "100mbit", False, 0, outer.realistic(), plan, None)
+    assert flags[flags.index("--steps") + 1] == "7"
+    flags = outer.job_flags("local-sgd", "100mbit", False, 0, outer.realistic(), plan, 3.0)
+    assert flags[flags.index("--steps") + 1] == str(round(plan.steps * (1 + plan.extra)))
+    with pytest.raises(ValueError, match="covers every link"):
+        outer.parse(_args(links="100mbit", runs="ddp"))
 
 
 def test_job_flags_keep_the_reference_schedule_and_stop_at_its_loss() -> None:

@@ -108,6 +108,7 @@ class Plan:
     timeout_s: float
     short_links: tuple[str, ...] = ()
     short_steps: int = 10
+    target: float | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="links where ddp runs --short-steps only and its time to the target is extrapolated: "
                              "its median step times --steps ('' = none)")
     parser.add_argument("--short-steps", type=int, default=10, help="steps of the short ddp runs")
+    parser.add_argument("--target", type=float, default=None,
+                        help="target eval loss (default: the first full ddp run's final eval loss); given, ddp "
+                             "may be left out or run short")
     parser.add_argument("--seeds", default="0", help="seeds, comma-separated (rows are medians over them)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit per job, seconds")
     parser.add_argument("--out", default="", help="output directory (default runs/bench-outer-<timestamp>)")
@@ -151,7 +155,9 @@ def parse(args: argparse.Namespace) -> tuple[list[tuple[str, bool]], list[str], 
     unknown = [x for x in labels if x not in RUNS]
     if unknown:
         raise ValueError(f"--runs: unknown {', '.join(unknown)}; allowed are {', '.join(RUNS)}")
-    if "ddp" not in labels:
+    if args.target is not None and not (math.isfinite(args.target) and args.target > 0):
+        raise ValueError(f"--target={args.target} must be a positive eval loss")
+    if "ddp" not in labels and args.target is None:
         raise ValueError(f"--runs={args.runs!r} must include ddp: its final eval loss is every run's target")
     if len(set(labels)) != len(labels):
         raise ValueError(f"--runs={args.runs!r} repeats a run")
@@ -163,14 +169,14 @@ def parse(args: argparse.Namespace) -> tuple[list[tuple[str, bool]], list[str], 
     if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds={args.seeds!r} is invalid: give distinct integers >= 0 separated by commas")
     short = tuple(_names(args.short_links, "--short-links")) if args.short_links.strip() else ()
-    if all(link in short for link in links):
+    if all(link in short for link in links) and args.target is None:
         raise ValueError(f"--short-links={args.short_links!r} covers every link of --links: ddp must run in full "
                          "at one link to set the target")
     # a full shaped link first (its ddp sets the target), then short ones, the floor last; slow variants after
     variants = sorted([(link, False) for link in links], key=lambda v: (v[0] == FLOOR, v[0] in short)) + [
         (link, True) for link in slow]
     plan = Plan(f"{args.nodes}:{args.procs_per_node}", args.steps, args.extra_steps, args.eval_every, seeds,
-                args.timeout_s, short, args.short_steps)
+                args.timeout_s, short, args.short_steps, args.target)
     return variants, labels, plan
 
 
@@ -195,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     out = output_dir(args.out, "outer")
     runs: list[dict[str, Any]] = []
     for seed in plan.seeds:
-        target: dict[str, float | None] = {"loss": None}
+        target: dict[str, float | None] = {"loss": plan.target}
         for link, slow in variants:
             for label in labels:
                 runs += _one(out, link, slow, label, seed, model, plan, target)
@@ -224,7 +230,7 @@ def _one(out: Path, link: str, slow: bool, label: str, seed: int, model: list[st
     short = label == "ddp" and link in plan.short_links
     if label == "ddp" and target["loss"] is None and not short:
         target["loss"] = float(report["eval_loss"])
-    row = measure(report, target["loss"])
+    row = measure(report, target["loss"], plan.steps)
     if short:  # DDP reaches its own final loss at its last step: its median step times --steps
         row["time_to_target_s"] = float(report["median_step_s"]) * plan.steps
         row["extrapolated"] = True
@@ -248,15 +254,18 @@ def job_flags(label: str, link: str, slow: bool, seed: int, model: Sequence[str]
     return flags
 
 
-def measure(report: dict[str, Any], target: float | None) -> dict[str, Any]:
+def measure(report: dict[str, Any], target: float | None, reference_steps: int | None = None) -> dict[str, Any]:
     """A run's figures from its ``report.json``: time to ``target`` from ``eval_curve``,
     ``compute_utilization`` per worker (``per_rank``: forward, backward and optimizer seconds
     over its seconds in steps, emulated slowness counted as compute) and ``bytes_per_token``
     (``wire_bytes_per_token``: every byte the workers put into collectives over every token
     they trained; outer steps send rarely, so a per-step median would read 0)."""
     curve = report["eval_curve"]
+    at_reference = [e["loss"] for e in curve if e["step"] == reference_steps] if reference_steps else []
     return {
         "steps": int(report["steps"]),
+        # at equal tokens: the eval loss after the reference's steps (every run's batch is the same)
+        "eval_loss_at_reference_steps": float(at_reference[0]) if at_reference else None,
         "time_to_target_s": time_to_target(curve, target) if target is not None else None,
         "target_eval_loss": target,
         "final_eval_loss": float(report["eval_loss"]),
@@ -265,6 +274,11 @@ def measure(report: dict[str, Any], target: float | None) -> dict[str, Any]:
         "train_s": float(curve[-1]["train_s"]) if curve else None,
         "sync": report.get("sync"),
     }
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(statistics.median(known)) if known else None
 
 
 def _median_time(values: list[float | None]) -> float | None:
@@ -298,6 +312,8 @@ def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                                                            if g["target_eval_loss"] is not None)
                      if any(g["target_eval_loss"] is not None for g in group) else None,
                      "final_eval_loss": statistics.median(g["final_eval_loss"] for g in group),
+                     "eval_loss_at_reference_steps": _median_or_none(
+                         [g.get("eval_loss_at_reference_steps") for g in group]),
                      "compute_utilization": utilization,
                      "min_compute_utilization": min((u for u in utilization if u is not None), default=None),
                      "bytes_per_token": statistics.median(per_token) if per_token else None})
@@ -351,6 +367,7 @@ def show(rows: Sequence[dict[str, Any]], plan: Plan) -> None:
         ("speedup_vs_ddp", "vs DDP", _x),
         ("speedup_vs_torchft_diloco", versus, _x),
         ("floor_ratio", "time / floor's", _x),
+        ("eval_loss_at_reference_steps", "eval loss at ddp's steps", lambda v: "-" if v is None else f"{v:.4f}"),
         ("final_eval_loss", "final eval loss", lambda v: f"{v:.4f}"),
         ("compute_utilization", "compute utilization per worker",
          lambda v: " ".join("-" if u is None else f"{u:.2f}" for u in v)),

@@ -142,6 +142,8 @@ class Outer:
         self.per_step = False  # auto chose to synchronize every step through the inner all-reduce
         self.warmup_left = config.warmup_steps  # optimizer steps still synchronized every step first
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # where the small all-reduces' tensors live: NCCL reduces only device tensors
+        self.device = self.params[0].device if backend == "nccl" and self.params else torch.device("cpu")
         count = config.fragments if config.mode == "streaming" else 1
         self.groups = fragments([p.numel() for p in self.params], count)
         with torch.no_grad():
@@ -242,7 +244,7 @@ class Outer:
         applied after ``delay`` more inner steps (None: streaming's tau, else 0)."""
         tokens, self.tokens[fragment] = self.tokens[fragment], 0.0
         if self.config.weighting == "tokens":
-            total = torch.tensor([tokens], dtype=torch.float64)
+            total = torch.tensor([tokens], dtype=torch.float64, device=self.device)
             dist.all_reduce(total)  # one number, so every rank knows the round's tokens
             weight = tokens / float(total.item()) if float(total.item()) > 0 else None
             if weight is None:  # no rank trained anything since this fragment's last outer step
@@ -270,6 +272,7 @@ class Outer:
         the rank's parameters set to the result (streaming: mixed into them)."""
         group, global_ = self.groups[fragment], self.global_[fragment]
         if avg is not None:
+            avg = avg.to(global_.device)  # a result restored from a checkpoint is on the CPU
             momentum = self.momenta[fragment]
             if self.momentum:
                 momentum.mul_(self.momentum).add_(avg)
@@ -288,7 +291,7 @@ class Outer:
             return
         timed = self._trial[1:]  # the first step warms up allocations and the collective
         mine = torch.tensor([sorted(t[0] for t in timed)[len(timed) // 2],
-                             sorted(t[1] for t in timed)[len(timed) // 2]], dtype=torch.float64)
+                             sorted(t[1] for t in timed)[len(timed) // 2]], dtype=torch.float64, device=self.device)
         dist.all_reduce(mine)
         compute_s, sync_s = (float(v) / self.world_size for v in mine)
         left = self.last_step - self.steps if self.last_step is not None else None

@@ -145,6 +145,8 @@ CHECKED: list[tuple[str, str]] = [
     (r"^poise bench scaling", f"three real jobs; {COVERED}"),
     (r"^(sudo \S*poise|poise) bench network", "every codec over three emulated link rates, many minutes; "
                                               "tests/cluster/test_bench_network.py runs it at CI size"),
+    (r"^(sudo \S*poise|poise) bench outer", "DDP, codecs and outer-step runs over shaped links, many minutes; "
+                                            "tests/unit/test_bench_outer.py checks its arguments and tables"),
     (r"^(sudo \S*poise|poise) bench plan", "45 jobs on the emulated cluster, about 21 minutes; "
                                            "tests/cluster/test_bench_plan.py runs it at CI size"),
 ]

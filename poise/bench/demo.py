@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         [(f"{r['title']}\n{r['run']}\n{r['median_step_s'] * 1e3:,.0f} ms/step, balance {r['balance']:.2f}",
           load_table(Path(r["dir"]) / "timeline.npz")) for r in results],
         out / "compare.png", title="poise demo: per-rank seconds per step, the runs of a comparison side by side",
-        pairs=groups)
+        groups=groups)
     wall_s = time.perf_counter() - started
     save_results(out, "demo", {"wall_s": wall_s, "network_skipped": args.network_reason, "runs": results,
                                "ratios": [r for r in rows if r["role"] == "ratio"], "credit": credit,

@@ -236,12 +236,12 @@ def plot_timeline(table: np.ndarray, path: str | Path) -> Path:
 
 
 def plot_timelines(panels: Sequence[tuple[str, np.ndarray]], path: str | Path, *, title: str = "",
-                   pairs: Sequence[tuple[int, int]] = ()) -> Path:
+                   groups: Sequence[Sequence[int]] = ()) -> Path:
     """Several runs' timelines side by side: one column per run (``(title, table)`` panels), one
     row per rank, drawn as :func:`plot_timeline` draws one run.
 
-    ``pairs``: columns whose runs are compared (a baseline and poise); they share one y scale
-    in seconds, so that a shorter bar is a shorter step. Every other column has its own.
+    ``groups``: columns whose runs are compared (a baseline and poise's runs); each group shares
+    one y scale in seconds, so that a shorter bar is a shorter step. Every other column has its own.
     """
     import matplotlib
 
@@ -261,7 +261,7 @@ def plot_timelines(panels: Sequence[tuple[str, np.ndarray]], path: str | Path, *
         axes[table.shape[0] - 1, c].set_xlabel("step")
     for r in range(ranks):
         axes[r, 0].set_ylabel(f"rank {r}\nseconds")
-    for group in pairs:
+    for group in groups:
         top = max(axes[r, c].get_ylim()[1] for c in group for r in range(ranks) if axes[r, c].get_visible())
         for c in group:
             for r in range(ranks):

@@ -105,7 +105,7 @@ def test_side_by_side_timelines_are_written(tmp_path):
         table = np.abs(rng.standard_normal((ranks, 6, len(FIELDS)))) * 0.1
         tables.append(table)
     path = plot_timelines([(f"run {i}", t) for i, t in enumerate(tables)], tmp_path / "compare.png",
-                          title="t", pairs=[(0, 1, 2), (3, 4)])  # the demo's groups: three runs, then two
+                          title="t", groups=[(0, 1, 2), (3, 4)])  # the demo's groups: three runs, then two
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no runs"):
         plot_timelines([], tmp_path / "none.png")

@@ -131,6 +131,10 @@ class Outer:
                  outer: Sequence[HookWrapper] = ()) -> None:
         self.config = config
         self.last_step = last_step
+        if last_step is None:  # said once: a model saved from one rank would silently be that rank's alone
+            log.warning("sync.mode=%r without Data(total_steps=...): the ranks end with their own parameters since "
+                        "the last outer step; give total_steps so the last step synchronizes every fragment",
+                        config.mode)
         self.inner = AllReduce(model, comm, clock=clock, backend=backend, compression_start=compression_start,
                                outer=outer)
         self.model, self.probe = self.inner.model, self.inner.probe

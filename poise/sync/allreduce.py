@@ -65,7 +65,7 @@ class AllReduce:
             hook = wrap(hook)
         self._expected = False  # inside backward(): reductions are the step's
         self.model.register_comm_hook(self.state, _refuse_outside(hook, lambda: self._expected))
-        self._no_sync: contextlib.AbstractContextManager[Any] | None = None
+        self._no_sync = NoSync(self.model)
 
     def _ddp(self, model: nn.Module, backend: str) -> DistributedDataParallel:
         comm_builder.check_backend(self.config, backend)
@@ -98,15 +98,7 @@ class AllReduce:
         self.state.reset_step()
 
     def micro_batch(self, last: bool) -> None:
-        """Enter DDP's ``no_sync`` before a forward that only accumulates (it must cover the
-        forward: DDP arms the reduction there); leave it before the one that reduces, and at
-        the end of a step."""
-        if last and self._no_sync is not None:
-            self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
-        elif not last and self._no_sync is None:
-            self._no_sync = self.model.no_sync()
-            self._no_sync.__enter__()
+        self._no_sync.reduce_next(last)
 
     def backward(self, run: Callable[[], None]) -> None:
         self._expected = True
@@ -146,6 +138,24 @@ class AllReduce:
         return {"mode": "step"}
 
 
+class NoSync:
+    """DDP's ``no_sync`` held across calls: :meth:`reduce_next` enters it before a forward that
+    only accumulates (it must cover the forward: DDP arms the reduction there) and leaves it
+    before the one that reduces, and at the end of a step."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self.model = model
+        self._context: contextlib.AbstractContextManager[Any] | None = None
+
+    def reduce_next(self, last: bool) -> None:
+        if last and self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+        elif not last and self._context is None:
+            self._context = self.model.no_sync()
+            self._context.__enter__()
+
+
 def _refuse_outside(hook: CommHook, expected: Callable[[], bool]) -> CommHook:
     """``hook``, refusing (one-line ValueError, raised out of ``backward()``) a bucket that
     arrives outside the step's backward: a plain ``loss.backward()`` would reduce an unweighted
@@ -166,4 +176,4 @@ def _refuse_outside(hook: CommHook, expected: Callable[[], bool]) -> CommHook:
     return step_hook
 
 
-__all__ = ["AllReduce", "HookWrapper"]
+__all__ = ["AllReduce", "HookWrapper", "NoSync"]

@@ -54,7 +54,7 @@ from poise.comm.topology import default_group_timeout
 from poise.config import CommConfig
 from poise.config.sync import SyncConfig
 from poise.runtime.clock import Clock
-from poise.sync.allreduce import HookWrapper
+from poise.sync.allreduce import HookWrapper, NoSync
 
 
 class _LocalSGDState(CountingState):
@@ -146,7 +146,7 @@ class TorchLocalSGD:
         self.averager = PeriodicModelAverager(period=sync.inner_steps, warmup_steps=warmup_steps)
         self._trainable = [p for p in params if p.requires_grad]
         self._param_bytes = sum(p.numel() * p.element_size() for p in self._trainable)
-        self._no_sync: Any = None
+        self._no_sync = NoSync(self.model)
         self.averages = 0
 
     # -- the call points -------------------------------------------------------------------
@@ -157,12 +157,7 @@ class TorchLocalSGD:
 
     def micro_batch(self, last: bool) -> None:
         """DDP's ``no_sync`` around the forwards that only accumulate (as ``AllReduce``)."""
-        if last and self._no_sync is not None:
-            self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
-        elif not last and self._no_sync is None:
-            self._no_sync = self.model.no_sync()
-            self._no_sync.__enter__()
+        self._no_sync.reduce_next(last)
 
     def backward(self, run: Callable[[], None]) -> None:
         self.state.expected = True

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from poise.balance import as_cost_fn, make_sampler
 from poise.balance.costs import AttentionCost
+from poise.balance.epoch_sampler import EpochSampler
 from poise.balance.sampler import BalancedBatchSampler
 from poise.balance.static_schedule import StaticSchedule
 
@@ -144,3 +145,10 @@ def test_per_rank_cost_functions_are_kept_across_a_resume_and_checked_on_load():
     for bad in ([1e-3], [1e-3, float("nan")], [1e-3, -1.0], "x"):
         with pytest.raises(ValueError, match=r"rank_alphas=.* must be 2 finite alphas >= 0"):
             BalancedBatchSampler(lengths, rank=0, **kwargs).load_state_dict({**state, "rank_alphas": bad})
+
+
+@pytest.mark.parametrize(("n", "world", "batch"), [(1437, 2, 32), (1000, 4, 7), (64, 2, 32), (65, 3, 5)])
+def test_static_steps_in_epochs_computed_equals_planned(n: int, world: int, batch: int) -> None:
+    """The computed count of a fixed batch size equals planning every epoch (the base class's way)."""
+    sampler = StaticSchedule(np.ones(n, dtype=np.int64), rank=0, world_size=world, seed=3, batch_size=batch)
+    assert sampler.steps_in_epochs(5) == EpochSampler.steps_in_epochs(sampler, 5)

@@ -46,8 +46,10 @@ WORKER_MODULE = "poise.train.worker"
 LOOPBACK = "127.0.0.1"
 # seconds the agent may take to reach the rendezvous store (torch's own default for c10d)
 _RDZV_READ_TIMEOUT_S = 60
-# a worker stopped this long (at most half the collective timeout) is ended by the watchdog
-STOPPED_GRACE_S = 5.0
+# a worker stopped this long (at most half the collective timeout) is ended by the watchdog: a
+# training process is never stopped on purpose for seconds (a debugger's stop is state 't', not
+# 'T'), and every second here is a second all the other workers wait
+STOPPED_GRACE_S = 2.0
 # a collective that timed out, as gloo words it ("Timed out waiting 8000ms for recv operation")
 # and c10d's store ("... timeout ..."): the rank waited for a peer
 TIMED_OUT = re.compile(r"timed out waiting (\d+)\s*ms for (\w+)|timed out|timeout", re.IGNORECASE)

@@ -66,7 +66,7 @@ class StoppedWorkerWatchdog:
     """Ends this process's workers of ``module`` that stay stopped for ``grace_s`` seconds (see
     the module doc); ``ended`` lists them, oldest first. Use as a context manager."""
 
-    def __init__(self, module: str, grace_s: float, period_s: float = 1.0) -> None:
+    def __init__(self, module: str, grace_s: float, period_s: float = 0.5) -> None:
         self.module, self.grace_s, self.period_s = module, grace_s, period_s
         self.ended: list[StoppedWorker] = []
         self._since: dict[int, float] = {}

@@ -17,6 +17,7 @@ from poise.bench import (
     faults,
     network,
     outer,
+    parallel,
     partition,
     plan,
     scaling,
@@ -27,7 +28,7 @@ from poise.bench import (
 FAMILIES: dict[str, ModuleType] = {
     "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "network": network,
     "checkpoint": checkpoint, "diagnose": diagnose, "faults": faults, "plan": plan,
-    "stragglers": stragglers, "outer": outer,
+    "stragglers": stragglers, "outer": outer, "parallel": parallel,
 }
 # a family whose command runs more than its module's run(): faults with --minutes is the soak
 RUNS = {"faults": soak.run_bench}

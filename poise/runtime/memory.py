@@ -40,6 +40,7 @@ import ctypes
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,37 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory so far in bytes (its high-water mark, ``getrusage``;
+    Linux counts kilobytes), 0 where it cannot be read."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except (ImportError, OSError, ValueError):
+        return 0
+
+
+def state_bytes(module: Any, optimizer: Any = None) -> int:
+    """Bytes of the training state this rank holds: ``module``'s parameters and their gradients,
+    and ``optimizer``'s state tensors (Adam's moments), each counted by its local part (a
+    sharded parameter, a ``DTensor``, by its shard). What data parallelism replicates and
+    sharding divides, unlike the resident memory, which also holds Python, torch and activations."""
+    def local(tensor: Any) -> int:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return int(tensor.numel()) * int(tensor.element_size())
+
+    total = 0
+    for param in module.parameters():
+        total += local(param)
+        if param.grad is not None:
+            total += local(param.grad)
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            total += sum(local(v) for v in per_param.values() if hasattr(v, "element_size") and v.dim() > 0)
+    return total
 
 
 def memory_limit_bytes() -> int:
@@ -109,10 +141,13 @@ class FreedMemory:
         return True
 
 
-def summary(kept: FreedMemory | None) -> dict[str, object]:
-    """One rank's memory policy for the report: kept or not, trims, resident MB now."""
+def summary(kept: FreedMemory | None, state: int | None = None) -> dict[str, object]:
+    """One rank's memory for the report: the policy (kept or not, trims), resident MB now and at
+    its peak, and ``state`` (bytes of :func:`state_bytes`, if known) in MB."""
     return {"kept": kept is not None, "trims": kept.trims if kept else 0,
-            "resident_mb": round(resident_bytes() / 1e6, 1)}
+            "resident_mb": round(resident_bytes() / 1e6, 1),
+            "peak_resident_mb": round(peak_resident_bytes() / 1e6, 1),
+            "model_state_mb": None if state is None else round(state / 1e6, 3)}
 
 
 def keep_freed_memory(limit_bytes: int | None = None) -> FreedMemory | None:

@@ -18,6 +18,9 @@ A state has three parts, by who owns them:
 that shape the model, optimizer and data; parameter names and shapes) before anything is
 loaded, so a mismatch is a one-line error and never a partial load.
 
+A model sharded with FSDP2 is saved as its full tensors under the same keys, gathered and
+put back by :mod:`poise.checkpoint.sharded` (collectives: every rank captures and restores).
+
 The session is seen only through :class:`SessionState` (its ``state_dict`` and
 ``load_state_dict``), so checkpointing sits below the session in the layers and imports
 nothing of it.
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from poise import config as config_mod
+from poise.checkpoint import sharded
 from poise.config import RunConfig
 
 
@@ -60,7 +64,7 @@ RANK_KEYS = ("rank", "window", "comm")
 _FREE = {
     "out_dir", "dist", "diagnostics", "checkpoint", "train.steps", "train.epochs",
     "task.eval_max_samples", "task.cache_dir", "emulate.rank_speed", "emulate.slowdown_method",
-    "emulate.speed_noise", "emulate.fail_at", "emulate.data_delay_s",
+    "emulate.speed_noise", "emulate.fail_at", "emulate.data_delay_s", "parallel.reshard_after_forward",
 }
 # Keys that checkpoints written before the [emulate] section hold under their former names.
 _FORMER_KEYS = {f"{section}.{name}": f"emulate.{name}" for name, section in config_mod.FORMER_SECTIONS.items()}
@@ -88,6 +92,8 @@ def config_problems(saved: dict[str, Any], config: RunConfig) -> list[str]:
     """The settings in which a checkpoint's manifest differs from this run's config."""
     now = fit_config(config)
     then = {_FORMER_KEYS.get(key, key): value for key, value in saved["config"].items()}
+    # a setting added after the checkpoint was written ran at its default then
+    then = {**{key: value for key, value in fit_config(RunConfig()).items() if key not in then}, **then}
     return [f"{key} is {then.get(key)!r} in the checkpoint but {now.get(key)!r} now"
             for key in sorted(set(now) | set(then)) if now.get(key) != then.get(key)]
 
@@ -264,8 +270,16 @@ def capture(
     ``in_window``: the step boundary falls inside a gradient-accumulation window, so the
     gradients accumulated so far are part of the state.
     """
-    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
-    optim = optimizer.state_dict()
+    if sharded.is_sharded(model):
+        if in_window:
+            raise ValueError(f"step {step} is inside a gradient-accumulation window: FSDP2 holds the gradients "
+                             "accumulated so far unsharded, so a sharded model is saved at a window's end")
+        model_state, full_optim = sharded.full_state(model, optimizer)  # rank 0's; empty on the others
+        tensors = {f"model/{k}": v for k, v in model_state.items()}
+        optim = {"state": full_optim, "param_groups": optimizer.state_dict()["param_groups"]}
+    else:
+        tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+        optim = optimizer.state_dict()
     optim_scalars: dict[str, Any] = {}
     for index, entries in optim["state"].items():
         for key, value in entries.items():
@@ -302,7 +316,6 @@ def restore(
     """Put ``state`` into the live objects. ``state.per_rank`` is empty when the run resumes on
     another number of ranks: then RNGs, comm state and speed windows start fresh."""
     model_state = {k.removeprefix("model/"): v for k, v in state.tensors.items() if k.startswith("model/")}
-    model.load_state_dict(model_state, strict=True)
     per_param: dict[int, dict[str, Any]] = {}
     for key, value in state.tensors.items():
         if key.startswith("optim/"):
@@ -314,7 +327,11 @@ def restore(
     own = state.per_rank.get("optim") if state.per_rank else None
     if own is not None:  # outer-step sync: this rank's own optimizer state, not rank 0's
         per_param = own["state"]
-    optimizer.load_state_dict({"state": per_param, "param_groups": state.shared["optim_groups"]})
+    if sharded.is_sharded(model):  # every rank keeps its shard of the full tensors
+        sharded.load_full_state(model, optimizer, model_state, per_param, state.shared["optim_groups"])
+    else:
+        model.load_state_dict(model_state, strict=True)
+        optimizer.load_state_dict({"state": per_param, "param_groups": state.shared["optim_groups"]})
     scheduler.load_state_dict(state.shared["scheduler"])
     mine = state.per_rank["session"] if state.per_rank else {"rank": -1, "window": None, "comm": None}
     session.load_state_dict({**state.shared["session"], **mine})

@@ -37,6 +37,7 @@ ALIASES = {
     "--codec": "comm.codec",
     "--straggler": "straggler.mode",
     "--sync": "sync.mode",
+    "--parallel": "parallel.mode",
     "--delay": "emulate.delay",
     "--topk-ratio": "comm.topk_ratio",
     "--collective": "comm.collective",

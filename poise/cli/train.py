@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +109,24 @@ def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
                          "replace it, or give another --out")
 
 
-def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
-    """Resolve the flags into a config with an absolute ``out_dir`` and write ``config.toml`` there."""
+def check_parallel(config: cfg.RunConfig) -> None:
+    """``poise train`` runs DDP, FSDP2 and HSDP; data x pipeline parallelism is ``poise pipeline``'s.
+
+    Raises:
+        ValueError: ``parallel.mode`` is ``dp-pp``.
+    """
+    if config.parallel.mode == "dp-pp":
+        raise ValueError("parallel.mode='dp-pp' is data x pipeline parallelism: run it with `poise pipeline` "
+                         "(poise train takes ddp, fsdp or hsdp)")
+
+
+def record_config(args: argparse.Namespace,
+                  check: Callable[[cfg.RunConfig], None] | None = None) -> tuple[cfg.RunConfig, Path]:
+    """Resolve the flags into a config with an absolute ``out_dir`` and write ``config.toml`` there
+    (after ``check``, the command's own refusals, so a refused job writes nothing)."""
     config = resolve(args)
+    if check is not None:
+        check(config)
     if config.cluster.enabled:
         if config.cluster.name:
             # An existing cluster's shape and link fill in what the file and flags leave open.
@@ -145,7 +161,7 @@ def record_config(args: argparse.Namespace) -> tuple[cfg.RunConfig, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, config_path = record_config(args)
+    config, config_path = record_config(args, check_parallel)
     out = Path(config.out_dir)
     code = launch_job(config, config_path)
     report_path = out / "report.json"

@@ -10,7 +10,7 @@ Units are part of field names (``_s`` seconds, ``_bytes`` bytes, ``_steps`` step
 field's help text lives in its metadata and is reused for ``--help``.
 
 One module per section (``task.py``, ``train.py``, ``dist.py``, ``balance.py``, ``comm.py``,
-``straggler.py``, ``sync.py``, ``cluster.py``, ``diagnostics.py``, ``metrics.py``, ``emulate.py``,
+``straggler.py``, ``sync.py``, ``parallel.py``, ``cluster.py``, ``diagnostics.py``, ``metrics.py``, ``emulate.py``,
 ``checkpoint.py``, ``pipeline.py``), ``run.py`` for the whole run and its cross-section checks,
 ``fields.py`` for what the sections share, and ``convert.py`` for values in and out (TOML,
 dicts, former keys, the recorded file, the hash). The config imports nothing of poise but
@@ -40,6 +40,7 @@ from poise.config.diagnostics import DiagnosticsConfig
 from poise.config.dist import BACKENDS, MAX_LOCAL_WORKERS, NODE_LOCAL_SETTINGS, DistConfig
 from poise.config.emulate import FORMER_SECTIONS, DelaySpec, EmulateConfig
 from poise.config.metrics import MetricsConfig
+from poise.config.parallel import PARALLEL_MODES, SHARDED_MODES, ParallelConfig
 from poise.config.pipeline import PARTITION_METHODS, PIPELINE_SCHEDULES, PipelineConfig
 from poise.config.run import SECTIONS, RunConfig
 from poise.config.straggler import STRAGGLER_MODES, StragglerConfig
@@ -57,9 +58,11 @@ __all__ = [
     "NODE_LOCAL_SETTINGS",
     "OUTER_CODECS",
     "OUTER_MODES",
+    "PARALLEL_MODES",
     "PARTITION_METHODS",
     "PIPELINE_SCHEDULES",
     "SECTIONS",
+    "SHARDED_MODES",
     "STRAGGLER_MODES",
     "SYNC_MODES",
     "TASK_NAMES",
@@ -72,6 +75,7 @@ __all__ = [
     "DistConfig",
     "EmulateConfig",
     "MetricsConfig",
+    "ParallelConfig",
     "PipelineConfig",
     "RunConfig",
     "StragglerConfig",

@@ -15,6 +15,7 @@ from poise.config.dist import MAX_LOCAL_WORKERS, DistConfig
 from poise.config.emulate import EmulateConfig
 from poise.config.fields import setting
 from poise.config.metrics import MetricsConfig
+from poise.config.parallel import ParallelConfig
 from poise.config.pipeline import PipelineConfig
 from poise.config.straggler import StragglerConfig
 from poise.config.sync import SyncConfig
@@ -34,6 +35,7 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -51,6 +53,8 @@ class RunConfig:
             raise ValueError(f"sync.mode={self.sync.mode!r} meets the other ranks every sync.inner_steps steps, not "
                              f"at every step's deadline: it needs straggler.mode=off (not {self.straggler.mode!r}), no "
                              "emulate.delay and no comm.local_first")
+        if self.parallel.sharded:
+            self._check_sharded()
         if self.comm.codec == "auto" and (self.train.accum_steps != 1 or self.straggler.enabled):
             raise ValueError(f"comm.codec='auto' times whole steps: it needs train.accum_steps=1 (not "
                              f"{self.train.accum_steps}) and straggler.mode=off (not {self.straggler.mode!r})")
@@ -84,6 +88,30 @@ class RunConfig:
         cluster's, or ``dist.nnodes``'s maximum for an elastic job)."""
         nodes = self.cluster.nodes if self.cluster.nodes > 0 else int(self.dist.nnodes.split(":")[-1])
         return nodes * self.dist.nproc
+
+    def _check_sharded(self) -> None:
+        """What a model sharded with FSDP2 (``parallel.mode`` fsdp or hsdp) cannot be combined with."""
+        mode = f"parallel.mode={self.parallel.mode!r}"
+        if self.straggler.enabled or self.emulate.delay:
+            raise ValueError(f"{mode} gathers and reduces inside every block's forward and backward, so no rank can "
+                             f"stop at a deadline: it needs straggler.mode=off (not {self.straggler.mode!r}) and no "
+                             "emulate.delay (deadline steps run on parallel.mode=ddp)")
+        if self.sync.mode != "step":
+            raise ValueError(f"{mode} reduces every step's gradients: it needs sync.mode='step' (not "
+                             f"{self.sync.mode!r}); outer-step sync runs on parallel.mode=ddp")
+        if self.comm.local_first:
+            raise ValueError(f"{mode} with comm.local_first: a rank holds only its shard of the gradient, so it "
+                             "cannot apply its own whole; use parallel.mode=ddp")
+        every, accum = self.checkpoint.every_steps, self.train.accum_steps
+        if every and every % accum:
+            raise ValueError(f"checkpoint.every_steps={every} is not a multiple of train.accum_steps={accum}: under "
+                             f"{mode} the gradients accumulated inside a window are held unsharded by FSDP2 and "
+                             "cannot be saved, so checkpoints fall at the ends of accumulation windows")
+        if self.parallel.mode == "hsdp" and not (self.cluster.name and self.cluster.nodes == 0):
+            shard, world = self.parallel.shard_group(self.dist.nproc), self.max_world_size()
+            if world % shard:
+                raise ValueError(f"parallel.shard_size={shard} does not divide the job's {world} ranks: hsdp needs "
+                                 "equal shard groups (give a divisor, or leave it unset for one group per machine)")
 
     def _check_world(self) -> None:
         """Ranks named in settings must exist; an emulated cluster must fit one machine."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from poise.runtime.dist import DistContext
 from poise.tasks.base import Task
@@ -41,13 +43,23 @@ def evaluate(model: nn.Module, task: Task, ctx: DistContext, *, max_samples: int
     """Evaluate ``model`` (the bare module, not the DDP wrapper) on the held-out split.
 
     Each rank takes every ``world_size``-th sample of the fixed subset; sums are added
-    across ranks, so the result does not depend on the number of ranks.
+    across ranks, so the result does not depend on the number of ranks. A model sharded with
+    FSDP2 gathers each block's parameters from every rank in its forward, so there every rank
+    runs as many forwards as the rank with the most samples: one with fewer runs the rest on
+    one sample and counts nothing of them.
     """
-    mine = eval_indices(len(task.eval_set), max_samples)[ctx.rank :: ctx.world_size]
+    subset = eval_indices(len(task.eval_set), max_samples)
+    mine = subset[ctx.rank :: ctx.world_size]
+    forwards = math.ceil(len(mine) / batch_size)
+    if isinstance(model, FSDPModule):
+        forwards = math.ceil(math.ceil(len(subset) / ctx.world_size) / batch_size)  # rank 0's: the most
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     was_training = model.training
     model.eval()
-    for start in range(0, len(mine), batch_size):
+    for start in range(0, forwards * batch_size, batch_size):
+        if start >= len(mine):  # lockstep with the other ranks' forwards: nothing counted
+            task.eval_sums(model, task.collate([task.eval_set[int(subset[0])]]).to(ctx.device))
+            continue
         batch = task.collate([task.eval_set[int(i)] for i in mine[start : start + batch_size]])
         part = task.eval_sums(model, batch.to(ctx.device))
         sums += torch.tensor([part.loss_sum, part.correct, part.count], dtype=torch.float64, device=ctx.device)

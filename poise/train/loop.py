@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from poise import checkpoint
 from poise import config as config_mod
+from poise.checkpoint.sharded import is_sharded
 from poise.config import RunConfig
 from poise.log import StepProgress, step_progress
 from poise.run.data import Data
@@ -47,6 +48,7 @@ from poise.train.recipe import (
     seed_everything,
 )
 from poise.train.samples import SampleLog
+from poise.train.shard import bare_module, shard_model
 
 if TYPE_CHECKING:
     from poise.run.step import DeadlineStep
@@ -110,6 +112,9 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     torch.manual_seed(tc.seed)  # the same initial weights everywhere (DDP also broadcasts them)
     model = task.build_model().to(ctx.device)
     freeze(model, tc.frozen_prefixes())
+    if config.parallel.sharded:  # FSDP2: each block, then the root (poise/train/shard.py)
+        model = shard_model(model, config.parallel, config.comm, world_size=ctx.world_size,
+                            nproc=config.dist.nproc, device=ctx.device)
     data = Data(sampler=sampler, loss_terms=task.train_targets, seed=tc.seed, accum_steps=tc.accum_steps,
                 total_steps=optimizer_steps, lr_warmup_steps=lr_warmup(tc.warmup_steps, optimizer_steps))
     session = Session(model, data, balance=config.balance, comm=config.comm, straggler=config.straggler,
@@ -195,7 +200,7 @@ def resume(job: Job) -> tuple[int, str | None]:
         ValueError: the checkpoint does not fit this run, or none can be loaded although one
             was asked for (``--resume``) or the live state was already changed by a failed one.
     """
-    module = job.session.model.module
+    module = bare_module(job.session.model)
     below: int | None = None
     touched, failure = False, ""
     while True:
@@ -214,13 +219,24 @@ def resume(job: Job) -> tuple[int, str | None]:
             problems = checkpoint.live_problems(state, module, job.optimizer)
             if problems:
                 raise ValueError(f"it does not fit the live model: {'; '.join(problems[:2])}")
-            touched = True
-            checkpoint.restore(state, model=module, optimizer=job.optimizer, scheduler=job.scheduler,
-                               session=job.session)
         except checkpoint.DoesNotFit:
             raise
         except Exception as exc:  # any load failure: fall back to the previous good checkpoint
-            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+            error = describe(exc)
+        ready = not error
+        if is_sharded(module):  # its restore is a collective: every rank goes in, or none does
+            loaded = [""] * job.ctx.world_size
+            dist.all_gather_object(loaded, error)
+            ready = not any(loaded)
+        if ready:
+            try:
+                touched = True
+                checkpoint.restore(state, model=module, optimizer=job.optimizer, scheduler=job.scheduler,
+                                   session=job.session)
+            except checkpoint.DoesNotFit:
+                raise
+            except Exception as exc:
+                error = describe(exc)
         outcomes: list[tuple[str, bool]] = [("", False)] * job.ctx.world_size
         dist.all_gather_object(outcomes, (error, touched))
         bad = [(r, e) for r, (e, _) in enumerate(outcomes) if e]
@@ -234,6 +250,12 @@ def resume(job: Job) -> tuple[int, str | None]:
             log.warning("checkpoint %s verifies but cannot be restored (%s); trying the previous one",
                         resumed_from, failure)
         below = int(manifest["step"])
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line of at most 300 characters: its type and its message's first line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
 def throwaway_step(job: Job) -> None:
@@ -251,7 +273,7 @@ def open_outputs(job: Job) -> tuple[checkpoint.Checkpointer | None, SampleLog | 
     saver = None
     if config.checkpoint.every_steps:
         saver = checkpoint.Checkpointer(config, rank=ctx.rank, world_size=ctx.world_size, store=ctx.store,
-                                        attempt=job.attempt, model=job.session.model.module)
+                                        attempt=job.attempt, model=bare_module(job.session.model))
     samples = SampleLog.open(Path(config.out_dir), ctx, job.start_step) if config.diagnostics.record_samples else None
     return saver, samples
 
@@ -325,14 +347,16 @@ def show_progress(job: Job, progress: StepProgress) -> None:
         log.info("step %d/%d loss %.4f step %.0f ms", rec.step + 1, job.total_micro, rec.loss, rec.step_s * 1e3)
 
 
-def save(job: Job, steps_done: int) -> None:
+def save(job: Job, steps_done: int, *, final: bool = False) -> None:
     """Checkpoint the run after ``steps_done`` micro-batch steps (mid-window when they do not end
-    an accumulation window); the stall it caused goes to the metrics."""
+    an accumulation window; the ``final`` one never is: the run's last batch ends its window);
+    the stall it caused goes to the metrics."""
     assert job.saver is not None
-    module = job.session.model.module
+    module = bare_module(job.session.model)
+    in_window = not final and steps_done % job.config.train.accum_steps != 0
     stall_s = job.saver.save(checkpoint.capture(
         step=steps_done, model=module, optimizer=job.optimizer, scheduler=job.scheduler, session=job.session,
-        world_size=job.ctx.world_size, in_window=steps_done % job.config.train.accum_steps != 0))
+        world_size=job.ctx.world_size, in_window=in_window))
     if job.session.metrics is not None:
         job.session.metrics.observe_checkpoint(stall_s)
 
@@ -347,7 +371,7 @@ def save_if_due(job: Job, pos: Position) -> None:
 def run_eval(job: Job) -> EvalResult:
     """The held-out evaluation of the bare model (all ranks take part)."""
     tc = job.config.train
-    return evaluate(job.session.model.module, job.task, job.ctx, max_samples=job.config.task.eval_max_samples,
+    return evaluate(bare_module(job.session.model), job.task, job.ctx, max_samples=job.config.task.eval_max_samples,
                     batch_size=tc.batch_size or job.task.default_batch_size)
 
 
@@ -374,7 +398,7 @@ def close_outputs(job: Job, pos: Position) -> None:
     """Save the end of the run (always) and wait for the saver; close the sample record."""
     if job.saver is not None:
         if pos.last_saved != pos.steps_done:
-            save(job, pos.steps_done)
+            save(job, pos.steps_done, final=True)
         job.saver.wait()
     if job.samples is not None:
         job.samples.close()
@@ -386,7 +410,7 @@ def finish(job: Job, reached: EvalResult | None) -> dict | None:
     config, session = job.config, job.session
     if config.comm.local_first:
         # the ranks' weights differ by their unsent residuals: evaluate the weights rank 0 saved
-        for tensor in session.model.module.state_dict().values():
+        for tensor in bare_module(session.model).state_dict().values():
             dist.broadcast(tensor, src=0)
     result = reached if reached is not None else session.evaluate(lambda: run_eval(job))
     report = session.finish({

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from poise.comm import registry
 from poise.config import RunConfig
@@ -106,6 +107,20 @@ def freeze(model: torch.nn.Module, prefixes: tuple[str, ...]) -> None:
         raise ValueError(f"train.frozen={','.join(prefixes)!r} freezes every parameter: nothing would train")
 
 
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` that also clips a model sharded with FSDP2: there each
+    rank's gradients are shards (DTensors), their norm a partial one until it is reduced over
+    the shards (``full_tensor``, a collective), and every rank clips by that whole norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not any(isinstance(p, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip_norm: float, step: int,
                   on_nonfinite: str = "skip", rank: int = 0) -> bool:
@@ -116,7 +131,7 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer on every rank alike, since every rank holds the same reduced gradient; with
     ``on_nonfinite='error'`` it raises FloatingPointError naming ``step`` and ``rank`` instead.
     """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm if grad_clip_norm > 0 else math.inf)
+    norm = clip_grad_norm(model, grad_clip_norm if grad_clip_norm > 0 else math.inf)
     skipped = not math.isfinite(float(norm))
     if skipped and on_nonfinite == "error":
         raise FloatingPointError(f"gradient norm is {float(norm)} at step {step} on rank {rank} "

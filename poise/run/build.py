@@ -2,8 +2,10 @@
 
 The plan first, then the objects: the data plan (this rank's sampler, the re-planner), the
 clock, the emulation (the only place outside ``poise/emulate/`` that imports it), the
-synchronization strategy with the emulation's hook wrapper around it, the recorder, the live
-metrics. :class:`poise.Session` keeps what this returns and only ever calls it once.
+synchronization strategy with the emulation's hook wrapper around it (for a model sharded
+with ``fully_shard``, :class:`~poise.sync.Sharded`, stretched before each module's reduction),
+the recorder, the live metrics. :class:`poise.Session` keeps what this returns and only ever
+calls it once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from poise.balance import BalancedBatchSampler
 from poise.balance.rebalance import DynamicPartitioner
@@ -37,7 +40,7 @@ from poise.run.data import Data, Sampler, plan_sampler
 from poise.run.record import Recorder
 from poise.runtime import memory
 from poise.runtime.clock import Clock, clock_for
-from poise.sync import AllReduce, Deadline, Outer, Sync, TorchftDiLoCo, TorchLocalSGD
+from poise.sync import AllReduce, Deadline, Outer, Sharded, Sync, TorchftDiLoCo, TorchLocalSGD
 
 
 @dataclass
@@ -80,6 +83,8 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
                          "twice the learning-rate warm-up, so give Data(total_steps=...) (optimizer steps; and "
                          "lr_warmup_steps=...), or CommConfig(start_step=N) to say when yourself")
     deadline = straggler.enabled or bool(emulate.delay)
+    if isinstance(model, FSDPModule):
+        _check_sharded(sync_config, straggler, emulate)
     if sync_config.outer and (deadline or comm.local_first):
         raise ValueError(f"sync.mode={sync_config.mode!r} meets the other ranks every few steps, not at every step's "
                          f"deadline: it needs straggler='off' (not {straggler.mode!r}), no emulated delays and no "
@@ -111,9 +116,12 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     start = registry.compression_start(comm, data.total_steps or 0, data.lr_warmup_steps)
     common: dict[str, Any] = {"clock": clock, "backend": backend, "compression_start": start,
                               "outer": [emulation.slowdown.wrap_hook]}
-    sync: AllReduce | Deadline | Outer | TorchLocalSGD | TorchftDiLoCo
+    sync: AllReduce | Deadline | Outer | Sharded | TorchLocalSGD | TorchftDiLoCo
     baselines = {"torch-localsgd": TorchLocalSGD, "torchft-diloco": TorchftDiLoCo}  # other libraries', to compare
-    if sync_config.mode in baselines:
+    if isinstance(model, FSDPModule):
+        sync = Sharded(model, comm, clock=clock, backend=backend, compression_start=start,
+                       before_reduce=[emulation.slowdown.stretch] if emulation.slowdown.sleeps else [])
+    elif sync_config.mode in baselines:
         sync = baselines[sync_config.mode](model, comm, sync_config, **common)
     elif sync_config.outer:
         sync = Outer(model, comm, sync_config, world_size=world_size, last_step=data.total_steps, **common)
@@ -139,6 +147,18 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
                  collective_device=collective_device, sampler=sampler,
                  loss_terms=loss_terms, partitioner=partitioner, clock=clock, sync=sync, emulation=emulation,
                  recorder=recorder, metrics=exporter, freed_memory=freed_memory, compression_start=start)
+
+
+def _check_sharded(sync_config: SyncConfig, straggler: StragglerConfig, emulate: EmulateConfig) -> None:
+    """Refuse, in one line each, what cannot run on a ``fully_shard`` model (the codec's own
+    limits are :class:`~poise.sync.Sharded`'s to say)."""
+    if straggler.enabled or emulate.delay:
+        raise ValueError(f"straggler.mode={straggler.mode!r} (or emulated delays) with fully_shard: FSDP2 gathers "
+                         "and reduces layer by layer inside forward and backward, so no rank can stop at a "
+                         "deadline; use straggler='off' (balancing still plans each rank's share)")
+    if sync_config.mode != "step":
+        raise ValueError(f"sync.mode={sync_config.mode!r} with fully_shard: local SGD and DiLoCo keep a whole model "
+                         "on every rank, which a sharded model does not have; use sync='step'")
 
 
 __all__ = ["Parts", "build"]

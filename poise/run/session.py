@@ -30,7 +30,6 @@ How it is put together: :mod:`poise.run.build` (the parts), :mod:`poise.run.step
 from __future__ import annotations
 
 import atexit
-import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -40,6 +39,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from poise.balance.rebalance import DynamicPartitioner
@@ -54,13 +54,13 @@ from poise.diagnostics.timeline import StepRecord
 from poise.run import build as build_mod
 from poise.run.data import DATA_FIELDS, Data, Sampler, check_dataset, check_loader
 from poise.run.record import run_keys, warn_unfinished, write_report
+from poise.run.state import load_session_state, session_state
 from poise.run.step import DeadlineStep, Step, StepEnv, StepListener
 from poise.runtime import dist as rdist
 from poise.runtime import memory
 from poise.runtime.clock import Clock
 from poise.sync import Deadline, Sync
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -70,7 +70,8 @@ class Session:
     Every rank makes one, with the same arguments, after ``init_process_group``.
 
     Args:
-        model: the model, a plain module (wrapped here in DDP) or a DDP model (no comm hook yet).
+        model: the model, a plain module (wrapped here in DDP), a DDP model (no comm hook yet),
+            or one sharded with ``fully_shard`` (FSDP2, HSDP: :class:`poise.sync.Sharded`).
         data: what is trained on (:class:`poise.Data`: lengths or costs, loss terms, the
             budget per step, seed, accumulation, run length), or a sampler of your own making.
         balance: ``static`` | ``cost`` | ``dynamic``, or a :class:`~poise.config.BalanceConfig`.
@@ -174,8 +175,16 @@ class Session:
 
     @property
     def model(self) -> nn.Module:
-        """The model to train: yours, as the synchronization strategy wrapped it (DDP)."""
+        """The model to train: yours, as the synchronization strategy wrapped it (DDP; a
+        ``fully_shard`` model is its own)."""
         return self.sync.model
+
+    @property
+    def module(self) -> nn.Module:
+        """Your module without any wrapper (DDP's ``.module``; a ``fully_shard`` model itself):
+        what to save, load and evaluate."""
+        model = self.sync.model
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     @property
     def steps_done(self) -> int:
@@ -339,29 +348,7 @@ class Session:
 
         No collective: any rank can call it at any time, e.g. rank 0 alone for its checkpoint.
         """
-        claimed = self.sampler.handed[0][1] if self.sampler.handed else self.sampler.position
-        steps_done = self.steps_done
-        open_step = self._recorder.active
-        if open_step is not None and open_step.position >= 0:
-            if open_step.backward_done:
-                steps_done += 1
-            else:
-                claimed = open_step.position
-        partitioner = self.partitioner.state_dict() if self.partitioner else None
-        window = None
-        if partitioner is not None:
-            window = partitioner.pop("window") + self._recorder.pending_window()
-        deadline = self.deadline
-        return {
-            "rank": self.rank, "world_size": self.world_size, "steps_done": steps_done,
-            "sampler": self.sampler.state_dict(position=claimed),
-            "partitioner": partitioner,
-            "window": window,
-            "comm": self.sync.state_dict(),
-            "comm_shared": self.sync.shared_state_dict(),
-            "straggler": deadline.runner.state_dict() if deadline is not None else None,
-            "replicas_agree": self.sync.replicas_agree,
-        }
+        return session_state(**self._state_parts())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`). From another rank, or a run with
@@ -369,26 +356,11 @@ class Session:
         world size the rest of the epoch is re-planned over the new ranks) and residuals and
         speed measurements start fresh. Call before the first step; with a lossy codec call
         :meth:`settle_buckets` first."""
-        for key in ("rank", "world_size", "steps_done", "sampler", "comm", "comm_shared"):
-            if key not in state:
-                raise ValueError(f"not a poise session state: {key!r} is missing (keys: {sorted(state)})")
-        if self.steps_done:
-            raise ValueError(f"load_state_dict after {self.steps_done} steps: load before the first step")
-        same_world = int(state["world_size"]) == self.world_size
-        own = same_world and int(state["rank"]) == self.rank
-        self.sampler.load_state_dict(state["sampler"])
-        if self.partitioner is not None and state.get("partitioner") and own and state.get("window") is not None:
-            self.partitioner.load_state_dict({**state["partitioner"], "window": state["window"]})
-        if own:
-            self.sync.load_state_dict(state["comm"])
-        else:
-            # every rank must agree on the hook's step (whether compression has started)
-            self.sync.load_shared_state_dict(state.get("comm_shared") or {"step": 0})
-            log.info("session state of rank %s of %s loaded on rank %d of %d: data position only",
-                     state["rank"], state["world_size"], self.rank, self.world_size)
-        if self.deadline is not None and state.get("straggler") and same_world:
-            self.deadline.runner.load_state_dict(state["straggler"])
-        self._recorder.steps_done = int(state["steps_done"]) if same_world else 0
+        load_session_state(state, **self._state_parts())
+
+    def _state_parts(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "sampler": self.sampler, "recorder": self._recorder,
+                "partitioner": self.partitioner, "sync": self.sync, "deadline": self.deadline}
 
     # -- evaluation and the end ---------------------------------------------------------------
 

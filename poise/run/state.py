@@ -1,0 +1,83 @@
+"""A session's own state for checkpoints: what :meth:`poise.Session.state_dict` holds and how
+:meth:`poise.Session.load_state_dict` restores it (the public docstrings are the session's).
+
+Kept apart from the session so the rules of a resume read in one place: a step whose backward
+ran counts as done; the data position is shared by every rank; residuals and the
+re-planner's measurements belong to one rank of one world size and are used only there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from poise.balance.rebalance import DynamicPartitioner
+from poise.balance.replay import ReplayedPartitioner
+from poise.run.data import Sampler
+from poise.run.record import Recorder
+from poise.sync import Deadline, Sync
+
+log = logging.getLogger(__name__)
+
+_REQUIRED = ("rank", "world_size", "steps_done", "sampler", "comm", "comm_shared")
+
+
+def session_state(*, rank: int, world_size: int, sampler: Sampler, recorder: Recorder,
+                  partitioner: DynamicPartitioner | ReplayedPartitioner | None, sync: Sync,
+                  deadline: Deadline | None) -> dict[str, Any]:
+    """This rank's session state (see :meth:`poise.Session.state_dict`); no collective."""
+    claimed = sampler.handed[0][1] if sampler.handed else sampler.position
+    steps_done = recorder.steps_done
+    open_step = recorder.active
+    if open_step is not None and open_step.position >= 0:
+        if open_step.backward_done:
+            steps_done += 1
+        else:
+            claimed = open_step.position
+    planned = partitioner.state_dict() if partitioner else None
+    window = None
+    if planned is not None:
+        window = planned.pop("window") + recorder.pending_window()
+    return {
+        "rank": rank, "world_size": world_size, "steps_done": steps_done,
+        "sampler": sampler.state_dict(position=claimed),
+        "partitioner": planned,
+        "window": window,
+        "comm": sync.state_dict(),
+        "comm_shared": sync.shared_state_dict(),
+        "straggler": deadline.runner.state_dict() if deadline is not None else None,
+        "replicas_agree": sync.replicas_agree,
+    }
+
+
+def load_session_state(state: dict[str, Any], *, rank: int, world_size: int, sampler: Sampler, recorder: Recorder,
+                       partitioner: DynamicPartitioner | ReplayedPartitioner | None, sync: Sync,
+                       deadline: Deadline | None) -> None:
+    """Restore :func:`session_state` (see :meth:`poise.Session.load_state_dict`).
+
+    Raises:
+        ValueError: not a session state, or steps already recorded.
+    """
+    for key in _REQUIRED:
+        if key not in state:
+            raise ValueError(f"not a poise session state: {key!r} is missing (keys: {sorted(state)})")
+    if recorder.steps_done:
+        raise ValueError(f"load_state_dict after {recorder.steps_done} steps: load before the first step")
+    same_world = int(state["world_size"]) == world_size
+    own = same_world and int(state["rank"]) == rank
+    sampler.load_state_dict(state["sampler"])
+    if partitioner is not None and state.get("partitioner") and own and state.get("window") is not None:
+        partitioner.load_state_dict({**state["partitioner"], "window": state["window"]})
+    if own:
+        sync.load_state_dict(state["comm"])
+    else:
+        # every rank must agree on the hook's step (whether compression has started)
+        sync.load_shared_state_dict(state.get("comm_shared") or {"step": 0})
+        log.info("session state of rank %s of %s loaded on rank %d of %d: data position only",
+                 state["rank"], state["world_size"], rank, world_size)
+    if deadline is not None and state.get("straggler") and same_world:
+        deadline.runner.load_state_dict(state["straggler"])
+    recorder.steps_done = int(state["steps_done"]) if same_world else 0
+
+
+__all__ = ["load_session_state", "session_state"]

@@ -1,4 +1,5 @@
-"""``[pipeline]``: pipeline parallelism (``poise pipeline``), one stage per worker."""
+"""``[pipeline]``: pipeline parallelism (``poise pipeline``), one stage per worker, optionally
+replicated ``dp_size`` times for data parallelism (world = stages x dp_size)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     """Pipeline parallelism (``poise pipeline``): one stage per worker, see poise/pipeline/."""
+
+    dp_size: int = setting(
+        1, "data-parallel replicas of the whole pipeline: world = stages x dp_size; each stage is DDP over "
+        "its replicas with comm.codec (see poise/pipeline/replicas.py)"
+    )
 
     schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(PIPELINE_SCHEDULES)}")
     micro_batches: int = setting(4, "micro-batches per step (train.batch_size samples are cut into this many)")
@@ -37,6 +43,7 @@ class PipelineConfig:
                 f"pipeline.partition={self.partition!r} is unknown: allowed are {', '.join(PARTITION_METHODS)}"
             )
         check_positive("pipeline", "micro_batches", self.micro_batches, allow_none=False)
+        check_positive("pipeline", "dp_size", self.dp_size, allow_none=False)
         check_positive("pipeline", "profile_repeats", self.profile_repeats, allow_none=False)
         if self.link_bandwidth_bytes_per_s < 0 or self.memory_cap_bytes < 0:
             raise ValueError(

@@ -41,6 +41,22 @@ def stage_layers(layers: Sequence[nn.Module], boundaries: Sequence[int], stage_i
     return nn.Sequential(*layers[boundaries[stage_index] : boundaries[stage_index + 1]])
 
 
+def stage_examples(layers: Sequence[nn.Module], boundaries: Sequence[int], stage_index: int,
+                   inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage ``stage_index``'s input and output for the micro-batch ``inputs`` (the first stage's
+    input), run without autograd through the layers up to the stage's end, the floating ones
+    marked as needing gradients as they do in training: torch's static shape metadata for
+    :class:`StageRunner` (see its ``example``)."""
+    x = inputs
+    with torch.no_grad():
+        for layer in layers[: boundaries[stage_index]]:
+            x = layer(x)
+        start = x
+        for layer in layers[boundaries[stage_index] : boundaries[stage_index + 1]]:
+            x = layer(x)
+    return start.detach().requires_grad_(start.is_floating_point()), x.detach().requires_grad_(x.is_floating_point())
+
+
 class TimedStage(PipelineStage):
     """A ``PipelineStage`` that adds up its own forward and backward seconds in ``compute_s``."""
 
@@ -66,19 +82,26 @@ class TokenLoss:
     over its real target tokens: each micro-batch sums its terms and divides by the whole
     step's count (set by :meth:`begin_step`), so micro-batches with more real tokens weigh
     more, exactly as in the unsplit model. Its seconds are counted in ``compute_s``.
+
+    ``weight`` (from :meth:`begin_step`) scales that mean: a data-parallel replica's exact
+    loss weight (:func:`poise.pipeline.replicas.replica_weight`); 1.0 alone.
     """
 
     def __init__(self) -> None:
         self.num_targets = 1
+        self.weight = 1.0
         self.compute_s = 0.0
 
-    def begin_step(self, targets: torch.Tensor) -> None:
+    def begin_step(self, targets: torch.Tensor, weight: float = 1.0) -> None:
         self.num_targets = max(1, int((targets != IGNORE_INDEX).sum()))
+        self.weight = weight
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum") / self.num_targets
+        if self.weight != 1.0:
+            loss = loss * self.weight
         self.compute_s += time.perf_counter() - started
         return loss
 
@@ -88,7 +111,8 @@ class StageStep:
     """One step on one stage.
 
     Attributes:
-        loss: the step's loss (nats per real target token) on the last stage, else None.
+        loss: the step's loss (nats per real target token) on the last stage, else None;
+            times the step's ``loss_weight``.
         compute_s: seconds of this stage's own forward/backward/loss in the step.
         step_s: wall seconds of the whole step (schedule, clipping, optimizer).
     """
@@ -102,7 +126,8 @@ class StageRunner:
     """Run one stage of a pipeline, step after step.
 
     Args:
-        module: this stage's layers (see :func:`stage_layers`).
+        module: this stage's layers (see :func:`stage_layers`), or those layers in DDP over
+            the stage's data-parallel replicas (:class:`poise.pipeline.replicas.ReplicaSync`).
         stage_index: this stage, 0-based; stage k runs on rank k of ``group``.
         num_stages: stages in the pipeline (= ranks in ``group``).
         schedule: ``gpipe`` or ``1f1b``.
@@ -110,7 +135,14 @@ class StageRunner:
         optimizer: updates ``module``'s parameters (None: gradients are left in place).
         grad_clip_norm: clip the global gradient norm (over every stage) to this; 0 = off.
         device: where this stage runs.
-        group: the process group of the stages (default: the world).
+        group: the process group of the stages (default: the world); with data-parallel
+            replicas, this replica's ``pp`` group (the norm is summed over it alone).
+        example: this stage's input and output for one micro-batch (:func:`stage_examples`),
+            given to torch as static shape metadata; None: torch infers them at the first step
+            by running the stage. A DDP module needs them: torch's inference runs its forward
+            outside ``no_sync``, which arms DDP's reducer, and the first step's micro-batch
+            backwards then report every parameter ready once more (DDP's bucket rebuild fails
+            an internal assert at the second step).
     """
 
     def __init__(
@@ -125,6 +157,7 @@ class StageRunner:
         grad_clip_norm: float = 0.0,
         device: torch.device | None = None,
         group: dist.ProcessGroup | None = None,
+        example: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r} is unknown: allowed are {', '.join(SCHEDULES)}")
@@ -135,7 +168,9 @@ class StageRunner:
         self.grad_clip_norm = grad_clip_norm
         self.group = group
         self.num_micro_batches = num_micro_batches
-        self.stage = TimedStage(module, stage_index, num_stages, device or torch.device("cpu"), group=group)
+        inputs, outputs = example if example is not None else (None, None)
+        self.stage = TimedStage(module, stage_index, num_stages, device or torch.device("cpu"), group=group,
+                                input_args=inputs, output_args=outputs)
         self.loss_fn = TokenLoss()
         # Sum, not mean, over micro-batches: TokenLoss already divides by the whole step's tokens.
         self.schedule = SCHEDULES[schedule](self.stage, num_micro_batches, loss_fn=self.loss_fn, scale_grads=False)
@@ -148,8 +183,9 @@ class StageRunner:
     def is_last(self) -> bool:
         return self.stage.is_last
 
-    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StageStep:
-        """Run one training step; the first stage passes ``inputs``, the last ``targets``."""
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, loss_weight: float = 1.0) -> StageStep:
+        """Run one training step; the first stage passes ``inputs``, the last ``targets`` (and
+        ``loss_weight``, which scales its mean loss: see :class:`TokenLoss`)."""
         started = time.perf_counter()
         self.stage.compute_s = 0.0
         self.loss_fn.compute_s = 0.0
@@ -160,7 +196,7 @@ class StageRunner:
         losses: list[torch.Tensor] = []
         if self.is_last:
             assert targets is not None, "the last stage needs the targets"
-            self.loss_fn.begin_step(targets)
+            self.loss_fn.begin_step(targets, loss_weight)
             self.schedule.step(*args, target=targets, losses=losses)
         else:
             self.schedule.step(*args)

@@ -10,6 +10,11 @@ schedule, each measuring its own compute per step; rank 0 gathers those and writ
 Batches are padded to ``max_seq_len − 1`` tokens, so every step has the shapes the stages
 were set up with and the profile was taken on (padding is causal-masked and ignored by the
 loss, so the loss equals the unpadded batch's).
+
+With ``pipeline.dp_size`` N > 1 the world is N replicas of the pipeline
+(:mod:`poise.pipeline.replicas`): every replica runs the same plan on its share of each step's
+batch, each stage in DDP over its replicas with ``comm.codec``, and the report adds each
+replica's figures (``per_dp_rank``) and the reduction's bytes and seconds.
 """
 
 from __future__ import annotations
@@ -28,15 +33,17 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from poise import config as config_mod
 from poise.balance.metrics import balance
 from poise.balance.profile import LayerProfile, profile_layers
+from poise.comm import registry
 from poise.config import RunConfig
 from poise.files import write_json_atomic
-from poise.pipeline.stage import StageRunner, TokenLoss, stage_layers
+from poise.pipeline.replicas import ReplicaGrid, ReplicaSync, check_comm, make_grid, replica_shares, replica_weight
+from poise.pipeline.stage import StageRunner, TokenLoss, stage_examples, stage_layers
 from poise.pipeline.stages import StagePlan, plan_stages
 from poise.runtime import dist as rdist
 from poise.tasks.base import IGNORE_INDEX, Batch, Task
 from poise.train import entry
 from poise.train.data import build_task_once_per_node
-from poise.train.recipe import lr_schedule, make_optimizer, seed_everything
+from poise.train.recipe import lr_schedule, lr_warmup, make_optimizer, seed_everything
 
 # By name: run as `-m poise.pipeline.worker`, __name__ would be "__main__", outside "poise".
 log = logging.getLogger("poise.pipeline.worker")
@@ -62,10 +69,11 @@ class FixedLengthBatches:
         return pad_batch(self.task.collate([self.task.train_set[int(i)] for i in chosen]), self.length)
 
 
-def first_micro_batch(batches: FixedLengthBatches, num_micro_batches: int) -> Batch:
-    """The first micro-batch of step 0 (torch's pipelining cuts a batch into chunks of ⌈B / m⌉ rows)."""
+def first_micro_batch(batches: FixedLengthBatches, num_micro_batches: int, samples: int | None = None) -> Batch:
+    """The first micro-batch of step 0 (torch's pipelining cuts a batch into chunks of ⌈B / m⌉
+    rows; ``samples``: B, the samples one pipeline runs per step, default the whole batch)."""
     first = batches.batch(0)
-    rows = math.ceil(batches.batch_size / num_micro_batches)
+    rows = math.ceil((samples or batches.batch_size) / num_micro_batches)
     return Batch(first.inputs[:rows], first.targets[:rows], rows, 0, 0)
 
 
@@ -107,23 +115,42 @@ def profile_on_rank0(layers: list[torch.nn.Module], names: list[str], micro: Bat
 
 def check_config(config: RunConfig, batch_size: int | None) -> None:
     """What a pipeline run needs beyond the config's own checks (``batch_size``: samples per
-    step, None when not known yet).
+    step, None when not known yet). Stages are the world (``dist.nproc`` x nodes) divided by
+    ``pipeline.dp_size``.
 
     Raises:
-        ValueError: another task than code-lm, epochs or a token budget, or fewer samples per
-            step than micro-batches.
+        ValueError: another task than code-lm, epochs or a token budget, fewer samples per
+            step (per replica) than micro-batches, a world that ``pipeline.dp_size`` does not
+            divide, or (with replicas) comm settings DDP over them cannot run.
     """
     if config.task.name != "code-lm":
         raise ValueError(f"poise pipeline splits code-lm's transformer; task.name={config.task.name!r} has no layers")
     if config.train.epochs is not None or config.train.batch_tokens is not None:
         raise ValueError("poise pipeline runs train.steps of train.batch_size samples; "
                          "train.epochs and train.batch_tokens are not supported")
-    if batch_size is not None and batch_size < config.pipeline.micro_batches:
-        raise ValueError(f"train.batch_size={batch_size} cannot be cut into pipeline.micro_batches="
-                         f"{config.pipeline.micro_batches}: give a batch of at least that many samples")
-    if config.task.num_layers + 2 < config.dist.nproc:
-        raise ValueError(f"{config.dist.nproc} stages need at least as many layers, but code-lm has "
+    if config.parallel.sharded:
+        raise ValueError(f"parallel.mode={config.parallel.mode!r} shards a whole model with FSDP2 (poise train); "
+                         "poise pipeline replicates each stage with DDP: use --dp N")
+    dp, world = config.pipeline.dp_size, config.max_world_size()
+    if world % dp:
+        raise ValueError(f"pipeline.dp_size={dp} does not divide the {world} workers into equal pipelines: "
+                         "give --stages P --dp N (P x N workers)")
+    m = config.pipeline.micro_batches
+    if batch_size is not None and batch_size < m and dp == 1:
+        raise ValueError(f"train.batch_size={batch_size} cannot be cut into pipeline.micro_batches={m}: "
+                         "give a batch of at least that many samples")
+    if batch_size is not None and (batch_size < m * dp or batch_size % m):
+        # torch's pipelining sizes every micro-batch's buffers from the first: a shorter last one
+        # would stop the last stage with a shape error in its loss
+        replicas = f" for each of pipeline.dp_size={dp} replicas" if dp > 1 else ""
+        raise ValueError(f"train.batch_size={batch_size} cannot be cut into pipeline.micro_batches={m} equal "
+                         f"micro-batches{replicas}: give a multiple of {m}, at least {m * dp}")
+    stages = world // dp
+    if config.task.num_layers + 2 < stages:
+        raise ValueError(f"{stages} stages need at least as many layers, but code-lm has "
                          f"{config.task.num_layers + 2} (embedding, {config.task.num_layers} blocks, head)")
+    if dp > 1:
+        check_comm(config.comm, "gloo" if config.dist.backend == "auto" else config.dist.backend)
 
 
 def layer_names(num_blocks: int) -> list[str]:
@@ -141,33 +168,59 @@ def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     batch_size = tc.batch_size or task.default_batch_size
     check_config(config, batch_size)
     total_steps = config.total_steps or 0
+    grid = make_grid(pc.dp_size)
+    stages = grid.pp_size
+    length = config.task.max_seq_len - 1
+    shares = replica_shares(batch_size, length, grid.dp_size, pc.micro_batches)
+    share = torch.from_numpy(shares[grid.dp_rank])
     model = task.build_model()  # seeded: identical on every rank
     layers = model.pipeline_layers()  # type: ignore[operator]
     names = layer_names(len(layers) - 2)
-    batches = FixedLengthBatches(task, batch_size, config.task.max_seq_len - 1, tc.seed)
-    micro = first_micro_batch(batches, pc.micro_batches)
+    batches = FixedLengthBatches(task, batch_size, length, tc.seed)
+    micro = first_micro_batch(batches, pc.micro_batches, samples=len(shares[0]))
     profile = profile_on_rank0(layers, names, micro, config)
-    in_flight = pc.micro_batches if pc.schedule == "gpipe" else min(pc.micro_batches, ctx.world_size)
-    plan = plan_stages(profile, ctx.world_size, method=pc.partition, num_micro_batches=pc.micro_batches,
-                       batch_size=batch_size, in_flight_micro_batches=in_flight,
+    in_flight = pc.micro_batches if pc.schedule == "gpipe" else min(pc.micro_batches, stages)
+    plan = plan_stages(profile, stages, method=pc.partition, num_micro_batches=pc.micro_batches,
+                       batch_size=len(shares[0]), in_flight_micro_batches=in_flight,
                        link_bytes_per_s=pc.link_bandwidth_bytes_per_s, memory_cap_bytes=pc.memory_cap_bytes)
     if ctx.is_main:
-        log.info("plan (%s): %s, predicted balance %.3f", plan.method,
-                 " | ".join("+".join(s) for s in plan.stage_layers), plan.compute_balance)
-    module = stage_layers(layers, plan.boundaries, ctx.rank)
+        log.info("plan (%s): %s, predicted balance %.3f%s", plan.method,
+                 " | ".join("+".join(s) for s in plan.stage_layers), plan.compute_balance,
+                 f", {grid.dp_size} replicas" if grid.dp_size > 1 else "")
+    module = stage_layers(layers, plan.boundaries, grid.pp_rank)
+    sync, compression_start, example = None, None, None
+    if grid.dp_group is not None:  # DDP needs torch's shape metadata given (StageRunner's example)
+        example = stage_examples(layers, plan.boundaries, grid.pp_rank,
+                                 batches.batch(0).inputs[share][: len(share) // pc.micro_batches])
     del model, layers  # this rank keeps its own stage only
-    optimizer = make_optimizer(module.parameters(), config, task)
+    if grid.dp_group is not None:
+        compression_start = registry.compression_start(config.comm, total_steps, lr_warmup(tc.warmup_steps,
+                                                                                            total_steps))
+        sync = ReplicaSync(module, config.comm, group=grid.dp_group, backend=ctx.backend,
+                           compression_start=compression_start, device=ctx.device)
+    optimizer = make_optimizer(module.parameters(), config, task, compression_start)
     scheduler = lr_schedule(optimizer, tc.warmup_steps, total_steps)
-    runner = StageRunner(module, stage_index=ctx.rank, num_stages=ctx.world_size, schedule=pc.schedule,
-                         num_micro_batches=pc.micro_batches, optimizer=optimizer,
-                         grad_clip_norm=tc.grad_clip_norm, device=ctx.device)
+    runner = StageRunner(module if sync is None else sync.model, stage_index=grid.pp_rank, num_stages=stages,
+                         schedule=pc.schedule, num_micro_batches=pc.micro_batches, optimizer=optimizer,
+                         grad_clip_norm=tc.grad_clip_norm, device=ctx.device, group=grid.pp_group, example=example)
     rows = []
     for step in range(total_steps):
         batch = batches.batch(step)
-        rec = runner.step(batch.inputs if runner.is_first else None, batch.targets if runner.is_last else None)
+        weight = replica_weight(batch.targets, shares, grid.dp_rank)
+        inputs, targets = batch.inputs[share], batch.targets[share]
+        if sync is not None:
+            sync.begin_step()
+        rec = runner.step(inputs if runner.is_first else None, targets if runner.is_last else None, weight)
         scheduler.step()
         loss = None if rec.loss is None else task.loss_in_unit(rec.loss)
-        rows.append({"compute_s": rec.compute_s, "step_s": rec.step_s, "loss": loss, "tokens": batch.num_tokens})
+        row = {"compute_s": rec.compute_s, "step_s": rec.step_s, "loss": loss, "tokens": batch.num_tokens,
+               "samples": len(share), "targets": int((targets != IGNORE_INDEX).sum()), "weight": weight}
+        if sync is not None:
+            traffic = sync.end_step()
+            # the stage's last backward waited for its replicas' buckets: that is no compute of its own
+            row.update(compute_s=max(0.0, rec.compute_s - traffic.exposed_s), raw_bytes=traffic.raw_bytes,
+                       wire_bytes=traffic.wire_bytes, dp_comm_s=traffic.comm_s, dp_exposed_s=traffic.exposed_s)
+        rows.append(row)
         if runner.is_last and rec.loss is not None and not math.isfinite(rec.loss):
             raise FloatingPointError(f"training loss is {rec.loss} at step {step}")
         if ctx.is_main and (step + 1) % config.diagnostics.log_every_steps == 0:
@@ -178,29 +231,46 @@ def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     if not ctx.is_main:
         return None
     report = build_report(config, plan, profile, gathered, loss_unit=task.loss_unit,
-                          wall_s=time.perf_counter() - started)
+                          wall_s=time.perf_counter() - started, grid=grid)
     write_json_atomic(Path(config.out_dir) / "report.json", report)
     log.info("done: measured balance %.3f vs predicted %.3f", report["measured_balance"], report["predicted_balance"])
     return report
 
 
-def build_report(config: RunConfig, plan: StagePlan, profile: LayerProfile, per_stage: list[list[dict]],
-                 *, loss_unit: str, wall_s: float) -> dict:
-    """Measured vs predicted, per stage and overall, from every stage's per-step rows."""
-    skip = min(config.pipeline.warmup_steps, max(0, len(per_stage[0]) - 1))
-    measured = [statistics.median(r["compute_s"] for r in rows[skip:]) for rows in per_stage]
-    step_s = statistics.median(max(rows[i]["step_s"] for rows in per_stage) for i in range(skip, len(per_stage[0])))
-    per_step_balance = [balance([rows[i]["compute_s"] for rows in per_stage]) for i in range(skip, len(per_stage[0]))]
-    losses = [r["loss"] for r in per_stage[-1]]
-    tokens = statistics.mean(r["tokens"] for r in per_stage[0])
+def build_report(config: RunConfig, plan: StagePlan, profile: LayerProfile, per_rank: list[list[dict]],
+                 *, loss_unit: str, wall_s: float, grid: ReplicaGrid | None = None) -> dict:
+    """Measured vs predicted, per stage and overall, from every rank's per-step rows (in rank
+    order; ``grid`` places them: one replica, the ranks are the stages, if None).
+
+    With replicas, a stage's measured seconds are its slowest replica's (the all-reduce makes
+    the others wait for it), the loss is the mean of the replicas' weighted losses (the whole
+    step's mean over its real target tokens), and ``per_dp_rank`` holds each replica's own.
+    """
+    dp = grid.dp_size if grid is not None else 1
+    stages = len(per_rank) // dp
+    steps = len(per_rank[0])
+    skip = min(config.pipeline.warmup_steps, max(0, steps - 1))
+    replicas = [per_rank[d * stages:(d + 1) * stages] for d in range(dp)]  # [replica][stage][step]
+
+    def stage_compute(i: int) -> list[float]:  # each stage's slowest replica at step i
+        return [max(replicas[d][k][i]["compute_s"] for d in range(dp)) for k in range(stages)]
+
+    own = [[statistics.median(r["compute_s"] for r in rows[skip:]) for rows in replica] for replica in replicas]
+    measured = [max(own[d][k] for d in range(dp)) for k in range(stages)]
+    step_s = statistics.median(max(rows[i]["step_s"] for rows in per_rank) for i in range(skip, steps))
+    per_step_balance = [balance(stage_compute(i)) for i in range(skip, steps)]
+    losses = [sum(replica[-1][i]["loss"] for replica in replicas) / dp for i in range(steps)]
+    tokens = statistics.mean(r["tokens"] for r in per_rank[0])
     predicted_balance = plan.compute_balance
     measured_balance = balance(measured)
-    return {
+    report = {
         "task": config.task.name,
-        "num_stages": len(per_stage),
+        "num_stages": stages,
+        "dp_size": dp,
+        "world_size": len(per_rank),
         "schedule": config.pipeline.schedule,
         "micro_batches": config.pipeline.micro_batches,
-        "steps": len(per_stage[0]),
+        "steps": steps,
         "warmup_steps_skipped": skip,
         "wall_s": wall_s,
         "plan": plan.as_dict(),
@@ -218,6 +288,40 @@ def build_report(config: RunConfig, plan: StagePlan, profile: LayerProfile, per_
         "loss_unit": loss_unit,
         "profile": profile.as_dict(),
         "config": config_mod.to_dict(config),
+    }
+    if dp > 1:
+        report.update(replica_report(replicas, own, skip))
+    return report
+
+
+def replica_report(replicas: list[list[list[dict]]], own: list[list[float]], skip: int) -> dict:
+    """Each replica's figures (``replicas[d][k]``: replica d's stage k's rows; ``own[d][k]``: its
+    median compute seconds) and the DDP reduction's, medians over the steps after ``skip``."""
+    def median(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows[skip:])
+
+    per_dp_rank = []
+    for d, replica in enumerate(replicas):
+        last = replica[-1][-1]
+        per_dp_rank.append({
+            "dp_rank": d,
+            "samples_per_step": replica[0][0]["samples"],
+            "targets_per_step": median(replica[0], "targets"),
+            "measured_stage_s": own[d],
+            "bottleneck_s": max(own[d]),
+            "wire_bytes_per_step": [median(rows, "wire_bytes") for rows in replica],
+            "dp_comm_s": [median(rows, "dp_comm_s") for rows in replica],
+            "dp_exposed_s": [median(rows, "dp_exposed_s") for rows in replica],
+            "train_loss_last": last["loss"] / last["weight"] if last["weight"] > 0 else None,
+        })
+    raw = sum(median(rows, "raw_bytes") for replica in replicas for rows in replica)
+    wire = sum(median(rows, "wire_bytes") for replica in replicas for rows in replica)
+    return {
+        "per_dp_rank": per_dp_rank,
+        "dp_balance": balance([r["bottleneck_s"] for r in per_dp_rank]),
+        "dp_raw_bytes_per_step": raw,
+        "dp_wire_bytes_per_step": wire,
+        "dp_compression_ratio": raw / wire if wire else 1.0,
     }
 
 

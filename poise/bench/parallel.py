@@ -108,8 +108,7 @@ def job(label: str, args: argparse.Namespace, model: Sequence[str], target: floa
 def measure(report: dict[str, Any], target: float | None) -> dict[str, Any]:
     """A run's figures from its ``report.json`` (see module doc)."""
     curve = report.get("eval_curve") or []
-    per_rank = report.get("per_rank") or []
-    memory = [r.get("memory") or {} for r in per_rank]
+    memory = report.get("memory") or []
     return {
         "steps": int(report["steps"]),
         "time_to_target_s": time_to_target(curve, target) if target is not None and curve else None,

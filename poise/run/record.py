@@ -148,7 +148,7 @@ def run_keys(recorder: Recorder, ranks: list[dict[str, Any]], *, compression_sta
         "codec_trial": trial.summary() if trial else None,
         "replans": [e.__dict__ for e in partitioner.history] if partitioner else [],
         "straggler": [d.pop("straggler") for d in ranks],  # per rank; None: off
-        "freed_memory": [d.pop("memory") for d in ranks],  # per rank (poise/runtime/memory.py)
+        "memory": [d.pop("memory") for d in ranks],  # per rank: policy, resident MB, state (poise/runtime/memory.py)
         "emulated_slowdown": ranks,  # speed 1.0, method 'none' = not slowed
         "eval_curve": recorder.eval_curve,  # rank 0's evaluate() calls: step, train_s (s), loss
     }

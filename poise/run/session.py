@@ -384,12 +384,16 @@ class Session:
         self._close_loop_step()
         return self._recorder.evaluate(fn, self.steps_done // self.accum_steps)
 
-    def finish(self, extra: dict[str, Any] | None = None, *, loss_scale: float = 1.0) -> dict[str, Any] | None:
+    def finish(self, extra: dict[str, Any] | None = None, *, loss_scale: float = 1.0,
+               optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any] | None:
         """Gather every rank's figures and, on rank 0, write ``report.json``, ``trace.json`` and
         ``timeline.png`` into ``out_dir``. A collective: call on every rank, once, at the end.
 
         ``extra`` is added to the report (your eval metrics, say); ``loss_scale`` converts the
         recorded training loss (nats, as your loss returns it) into the unit you report.
+        ``optimizer``, if given, adds each rank's training state to the report (``per_rank``'s
+        ``memory.model_state_mb``: parameters, gradients and optimizer state this rank holds, a
+        shard's part when sharded), beside its peak resident memory.
         Returns the report on rank 0, None elsewhere; every rank returns once the outputs are
         on disk (so no rank tears the process group down while rank 0 still writes).
 
@@ -403,7 +407,8 @@ class Session:
         if self.steps_done == 0:
             raise ValueError("session.finish(): no step was recorded: run steps inside `with session.step()`")
         deadline = self.deadline
-        per_rank = {**self._emulation.describe(), "memory": memory.summary(self.freed_memory),
+        state = None if optimizer is None else memory.state_bytes(self.module, optimizer)
+        per_rank = {**self._emulation.describe(), "memory": memory.summary(self.freed_memory, state),
                     "straggler": deadline.runner.summary() if deadline is not None else None}
 
         def make_report(gathered: list[dict[str, Any]], table: Any) -> dict[str, Any]:  # rank 0

@@ -146,7 +146,8 @@ def summary(kept: FreedMemory | None, state: int | None = None) -> dict[str, obj
     its peak, and ``state`` (bytes of :func:`state_bytes`, if known) in MB."""
     return {"kept": kept is not None, "trims": kept.trims if kept else 0,
             "resident_mb": round(resident_bytes() / 1e6, 1),
-            "peak_resident_mb": round(peak_resident_bytes() / 1e6, 1),
+            # getrusage and /proc count a little differently: the peak is never below the present
+            "peak_resident_mb": round(max(peak_resident_bytes(), resident_bytes()) / 1e6, 1),
             "model_state_mb": None if state is None else round(state / 1e6, 3)}
 
 

@@ -48,7 +48,7 @@ from poise.train.recipe import (
     seed_everything,
 )
 from poise.train.samples import SampleLog
-from poise.train.shard import bare_module, shard_model
+from poise.train.shard import shard_model
 
 if TYPE_CHECKING:
     from poise.run.step import DeadlineStep
@@ -200,7 +200,7 @@ def resume(job: Job) -> tuple[int, str | None]:
         ValueError: the checkpoint does not fit this run, or none can be loaded although one
             was asked for (``--resume``) or the live state was already changed by a failed one.
     """
-    module = bare_module(job.session.model)
+    module = job.session.module
     below: int | None = None
     touched, failure = False, ""
     while True:
@@ -273,7 +273,7 @@ def open_outputs(job: Job) -> tuple[checkpoint.Checkpointer | None, SampleLog | 
     saver = None
     if config.checkpoint.every_steps:
         saver = checkpoint.Checkpointer(config, rank=ctx.rank, world_size=ctx.world_size, store=ctx.store,
-                                        attempt=job.attempt, model=bare_module(job.session.model))
+                                        attempt=job.attempt, model=job.session.module)
     samples = SampleLog.open(Path(config.out_dir), ctx, job.start_step) if config.diagnostics.record_samples else None
     return saver, samples
 
@@ -352,7 +352,7 @@ def save(job: Job, steps_done: int, *, final: bool = False) -> None:
     an accumulation window; the ``final`` one never is: the run's last batch ends its window);
     the stall it caused goes to the metrics."""
     assert job.saver is not None
-    module = bare_module(job.session.model)
+    module = job.session.module
     in_window = not final and steps_done % job.config.train.accum_steps != 0
     stall_s = job.saver.save(checkpoint.capture(
         step=steps_done, model=module, optimizer=job.optimizer, scheduler=job.scheduler, session=job.session,
@@ -371,7 +371,7 @@ def save_if_due(job: Job, pos: Position) -> None:
 def run_eval(job: Job) -> EvalResult:
     """The held-out evaluation of the bare model (all ranks take part)."""
     tc = job.config.train
-    return evaluate(bare_module(job.session.model), job.task, job.ctx, max_samples=job.config.task.eval_max_samples,
+    return evaluate(job.session.module, job.task, job.ctx, max_samples=job.config.task.eval_max_samples,
                     batch_size=tc.batch_size or job.task.default_batch_size)
 
 
@@ -410,7 +410,7 @@ def finish(job: Job, reached: EvalResult | None) -> dict | None:
     config, session = job.config, job.session
     if config.comm.local_first:
         # the ranks' weights differ by their unsent residuals: evaluate the weights rank 0 saved
-        for tensor in bare_module(session.model).state_dict().values():
+        for tensor in session.module.state_dict().values():
             dist.broadcast(tensor, src=0)
     result = reached if reached is not None else session.evaluate(lambda: run_eval(job))
     report = session.finish({
@@ -426,7 +426,7 @@ def finish(job: Job, reached: EvalResult | None) -> dict | None:
         "first_step": job.start_step,
         "checkpoints": job.saver.report() if job.saver is not None else None,
         "config": config_mod.to_dict(config),
-    }, loss_scale=job.task.loss_in_unit(1.0))
+    }, loss_scale=job.task.loss_in_unit(1.0), optimizer=job.optimizer)
     if report is not None:
         log.info("done: eval loss %.4f %s, accuracy %.2f%%, %.1f samples/s, balance %.3f",
                  result.loss, result.unit, 100 * result.accuracy, report["throughput_samples_per_s"],

@@ -52,8 +52,9 @@ def test_digits_trains_to_a_sound_accuracy(digits_run):
     assert len(report["balance_per_step"]) == 60
     assert report["balance"] == pytest.approx(statistics.fmean(report["balance_per_step"][1:]))
     if platform.libc_ver()[0] == "glibc":  # CPU training keeps freed memory by default
-        assert [m["kept"] for m in report["freed_memory"]] == [True, True]
-        assert all(m["resident_mb"] > 0 for m in report["freed_memory"])
+        assert [m["kept"] for m in report["memory"]] == [True, True]
+        assert all(m["resident_mb"] > 0 and m["peak_resident_mb"] >= m["resident_mb"] and m["model_state_mb"] > 0
+                   for m in report["memory"])
     assert report["bytes_communicated_per_step"] > 0
     assert 0.0 <= report["comm_overlap"] <= 1.0 and report["comm_busy_s_per_step"] > 0
     assert (digits_run / "timeline.png").stat().st_size > 1000

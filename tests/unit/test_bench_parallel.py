@@ -63,7 +63,7 @@ def _report(loss: float, curve: list[tuple[float, float]], state: float, rss: fl
     return {"steps": 60, "eval_loss": loss, "balance": 0.97, "median_step_s": 1.0,
             "comm_inter_node_wire_bytes_per_step": 1e6,
             "eval_curve": [{"step": 10 * i, "train_s": s, "loss": v} for i, (s, v) in enumerate(curve)],
-            "per_rank": [{"memory": {"peak_resident_mb": rss, "model_state_mb": state}}] * 2}
+            "memory": [{"peak_resident_mb": rss, "model_state_mb": state}] * 2}
 
 
 def test_rows_give_time_to_target_and_ratios_against_ddp() -> None:

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.fsdp import fully_shard
 
 from poise.config import CommConfig, ParallelConfig
 
@@ -103,12 +102,3 @@ def shard_model(model: nn.Module, parallel: ParallelConfig, comm: CommConfig, *,
     fully_shard(model, mesh=mesh, reshard_after_forward=parallel.reshard_after_forward)
     return model
 
-
-def bare_module(model: nn.Module) -> nn.Module:
-    """The user's module under a synchronization strategy's wrapper: DDP's ``.module``; an FSDP2
-    model is its own (``fully_shard`` changes the module's class in place, it wraps nothing)."""
-    if isinstance(model, DistributedDataParallel):
-        return model.module
-    if isinstance(model, FSDPModule):
-        return model
-    raise TypeError(f"a session's model is DDP or an FSDP2 module, not {type(model).__name__}")

@@ -9,6 +9,7 @@ against native HSDP; the one-line refusals.
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -64,10 +65,11 @@ def _model() -> nn.Sequential:
 
 
 def _sharded(mesh) -> nn.Module:
+    """Blocks 0 and 2 sharded on their own; the root holds the head's parameters (as a model's
+    embeddings and head usually are)."""
     model = _model()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
 
 
@@ -94,9 +96,17 @@ def _one_step(model: nn.Module, world_size: int, comm: poise.CommConfig, accum_s
             out["traffic"] = session.sync.traffic()
             optimizer.step()
             out["params"] = [p.full_tensor().detach() for p in model.parameters()]
-            out["state"] = session.sync.state_dict()
             out["summary"] = session.sync.summary()
             break
+    # the step's record: the reductions blocked this thread (on the CPU), after its own compute
+    out["record"] = session.last_record
+    # this rank's state (error-feedback residuals) through a checkpoint's round trip
+    buffer = io.BytesIO()
+    torch.save(session.state_dict(), buffer)
+    buffer.seek(0)
+    out["state"] = torch.load(buffer, weights_only=True)["comm"]
+    session.sync.load_state_dict(out["state"])
+    out["restored"] = session.sync.state_dict()
     return out
 
 
@@ -144,6 +154,9 @@ def test_fsdp_with_unequal_batches_gives_the_gradient_of_the_union(codec, accum_
         # parameter all-gathers count alike in raw and wire: the difference is the codec's saving
         assert stats.raw_bytes - stats.wire_bytes == {"none": 0, "fp16": RS_BYTES // 2, "bf16": RS_BYTES // 2}[codec]
         assert r["summary"]["mode"] == "fsdp" and r["summary"]["shard_size"] == 2
+        record = r["record"]
+        assert record.comm_busy_s > 0 and record.comm_hidden_s == 0  # nothing overlaps a blocking reduction
+        assert record.comm_wait_s >= record.comm_busy_s  # its seconds are out of the compute
 
 
 # -- the reduce-scatter alone -----------------------------------------------------------------------
@@ -264,8 +277,13 @@ def test_hsdp_with_a_codec_between_nodes_equals_native_hsdp_within_the_codec():
             assert (got - want).abs().max() <= 4 * scale / 127
         psgd = r["powersgd"]
         assert any(not torch.equal(a, b) for a, b in zip(psgd["grads"], native["grads"], strict=True))
-        # a residual per module's shard (the head's 1x16 shard is sent whole: nothing to compress)
+        # a residual per module's shard (the root's, the head's 1x16 shard, is sent whole: nothing to compress)
         assert sorted(psgd["state"]["codec"]["residuals"]) == ["0", "2"]
+        int8 = r["int8"]  # residuals per module (the root's too), kept through a checkpoint's round trip
+        assert sorted(int8["state"]["codec"]["residuals"]) == ["0", "2", "root"]
+        residuals = int8["state"]["codec"]["residuals"]
+        assert residuals["0"].abs().max() > 0  # (the head's shard is padding alone on half the ranks: zero)
+        assert all(torch.equal(int8["restored"]["codec"]["residuals"][k], v) for k, v in residuals.items())
         # bytes: the replicate all-reduce crosses nodes, the shard group's gathers and scatters do not
         stats, inter = r["none"]["traffic"]
         assert 0 < inter.raw_bytes < stats.raw_bytes
@@ -292,11 +310,12 @@ def _refusals(rank: int, world_size: int) -> dict:
         poise.Session(_sharded(mesh2), data, comm=poise.CommConfig(codec="int8"))
     out["native-int8"] = str(err.value)
     session = poise.Session(_sharded(mesh), data)
+    params = list(session.model.parameters())  # the sharded parameters, which an optimizer holds
     x, y = collate([Sequences()[i] for i in range(4)])
     with pytest.raises(ValueError) as err:
         token_mean_loss(session.model, x, y).backward()  # not step.backward: refused before any gradient lands
     out["outside"] = str(err.value)
-    out["grads"] = [p.grad is None for p in session.model.parameters()]
+    out["grads"] = [p.grad is None for p in params]
     return out
 
 

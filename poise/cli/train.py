@@ -111,13 +111,30 @@ def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
 
 def check_parallel(config: cfg.RunConfig) -> None:
     """``poise train`` runs DDP, FSDP2 and HSDP; data x pipeline parallelism is ``poise pipeline``'s.
+    A sharded model's codec and collective are checked here too, before any worker starts (the
+    same rules :class:`poise.sync.Sharded` applies in every worker).
 
     Raises:
-        ValueError: ``parallel.mode`` is ``dp-pp``.
+        ValueError: ``parallel.mode`` is ``dp-pp``, or fsdp/hsdp with a codec or collective
+            that only DDP runs.
     """
-    if config.parallel.mode == "dp-pp":
+    from poise.comm import registry
+
+    mode, codec = config.parallel.mode, config.comm.codec
+    if mode == "dp-pp":
         raise ValueError("parallel.mode='dp-pp' is data x pipeline parallelism: run it with `poise pipeline` "
                          "(poise train takes ddp, fsdp or hsdp)")
+    if not config.parallel.sharded:
+        return
+    if registry.codec(codec).codec is None or codec == "auto":
+        raise ValueError(f"comm.codec={codec!r} runs on DDP only (a comm hook, or a dry run over DDP's buckets): with "
+                         f"parallel.mode={mode!r} use none, fp16, bf16, int8, topk, sign, randomk or (hsdp) powersgd")
+    if codec == "powersgd" and mode == "fsdp":
+        raise ValueError("comm.codec='powersgd' needs whole weight matrices, which fsdp's reduce-scatter never "
+                         "holds: use parallel.mode=hsdp (powersgd then runs on the all-reduce between shard groups)")
+    if config.comm.collective != "flat":
+        raise ValueError(f"comm.collective={config.comm.collective!r} with parallel.mode={mode!r}: FSDP2 runs its "
+                         "own collectives; use comm.collective=flat (hsdp with a codec compresses between nodes)")
 
 
 def record_config(args: argparse.Namespace,

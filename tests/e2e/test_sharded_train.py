@@ -52,15 +52,35 @@ def test_killed_fsdp_job_resumes_and_ends_as_if_uninterrupted(tmp_path):
     assert report["config"]["parallel"]["mode"] == "fsdp"
 
 
-@pytest.mark.timeout(300)
-def test_hsdp_on_four_ranks_trains_and_saves_full_tensors(tmp_path):
+@pytest.mark.timeout(400)
+def test_fsdp_checkpoint_resumes_on_three_ranks(tmp_path):
+    """Full tensors restore on any number of ranks: a 2-rank job stopped after step 27's
+    checkpoint finishes on 3 ranks (the rest of the epoch re-planned over them)."""
+    first = run_poise(*JOB, "--fail-at", "1:30", "--out", str(tmp_path), timeout_s=180)
+    assert first.returncode == 1  # no restarts: the job stops, checkpoint 27 is on disk
+    job = [a if a != "2" or i != JOB.index("--nproc") + 1 else "3" for i, a in enumerate(JOB)]
+    proc = run_poise(*job, "--resume", "--out", str(tmp_path), timeout_s=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming on 3 ranks from a checkpoint of 2" in proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["resumed_from"] == "step-00000027" and len(report["per_rank"]) == 3
+    assert report["first_step"] == 27 and report["eval_accuracy"] > 0.8
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_hsdp_on_four_ranks_trains_and_saves_full_tensors(tmp_path, codec):
+    """2 shard groups of 2 ranks: FSDP2's own HSDP (none), or the shard dimension only with
+    poise's int8 on the all-reduce between the groups (from step 1 on)."""
     proc = run_poise("train", "--task", "digits", "--nproc", "4", "--steps", "4", "--batch-size", "16",
-                     "--parallel", "hsdp", "--parallel.shard_size", "2", "--checkpoint-every", "2",
-                     "--task.eval_max_samples", "64", "--dist.timeout_s", "60", "--diagnostics.progress", "false",
-                     "--diagnostics.plot", "false", "--out", str(tmp_path), timeout_s=240)
+                     "--parallel", "hsdp", "--parallel.shard_size", "2", "--codec", codec, "--comm.start_step", "1",
+                     "--checkpoint-every", "2", "--task.eval_max_samples", "64", "--dist.timeout_s", "60",
+                     "--diagnostics.progress", "false", "--diagnostics.plot", "false", "--out", str(tmp_path),
+                     timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["eval_count"] == 64 and report["steps"] == 4
+    assert report["sync"]["codec_on"] == ("replicate all-reduce" if codec == "int8" else "reduce-scatter")
     saved = final_model(tmp_path, 4)
     for name, param in DigitsCNN().named_parameters():
         assert saved[name].shape == param.shape, name

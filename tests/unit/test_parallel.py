@@ -75,6 +75,25 @@ def test_poise_train_points_dp_pp_to_poise_pipeline():
         check_parallel(resolve(parse("--parallel", "dp-pp")))
 
 
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--parallel", "fsdp", "--codec", "torch-fp16"], "comm.codec='torch-fp16' runs on DDP only"),
+    (["--parallel", "hsdp", "--codec", "auto"], "comm.codec='auto' runs on DDP only"),
+    (["--parallel", "fsdp", "--codec", "powersgd"], "use parallel.mode=hsdp"),
+    (["--parallel", "hsdp", "--collective", "ring"], "comm.collective='ring' with parallel.mode='hsdp'"),
+])
+def test_poise_train_refuses_what_only_ddp_runs_before_starting_workers(argv, needle):
+    with pytest.raises(ValueError) as info:
+        check_parallel(resolve(parse(*argv)))
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("argv", [("--parallel", "fsdp", "--codec", "int8"),
+                                  ("--parallel", "hsdp", "--codec", "powersgd"),
+                                  ("--parallel", "ddp", "--codec", "auto", "--collective", "ring")])
+def test_poise_train_takes_what_the_sharded_strategy_runs(argv):
+    check_parallel(resolve(parse(*argv)))
+
+
 def test_units_are_a_transformers_blocks():
     model = ByteTransformer(max_seq_len=16, d_model=8, num_layers=3, num_heads=2)
     assert shard_units(model) == ["blocks.0", "blocks.1", "blocks.2"]

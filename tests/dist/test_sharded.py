@@ -122,6 +122,7 @@ def _reference(steps: list, accum_steps: int = 1) -> tuple[list[torch.Tensor], l
 
 
 def _fsdp(rank: int, world_size: int, codec: str, accum_steps: int) -> dict:
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0")  # a node each: every byte crosses nodes
     mesh = init_device_mesh("cpu", (world_size,))
     return _one_step(_sharded(mesh), world_size, poise.CommConfig(codec=codec, start_step=0, error_feedback=False),
                      accum_steps)
@@ -150,7 +151,7 @@ def test_fsdp_with_unequal_batches_gives_the_gradient_of_the_union(codec, accum_
         for got, want, grad in zip(r["params"], params, grads, strict=True):  # the step moves by lr x grad
             torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6 + LR * rtol * float(grad.abs().max()))
         stats, inter = r["traffic"]
-        assert stats.buckets == 3 and inter.raw_bytes == 0  # one host: nothing between nodes
+        assert stats.buckets == 3 and inter == stats  # a node per rank: all of FSDP's traffic crosses nodes
         # parameter all-gathers count alike in raw and wire: the difference is the codec's saving
         assert stats.raw_bytes - stats.wire_bytes == {"none": 0, "fp16": RS_BYTES // 2, "bf16": RS_BYTES // 2}[codec]
         assert r["summary"]["mode"] == "fsdp" and r["summary"]["shard_size"] == 2
@@ -164,20 +165,24 @@ def test_fsdp_with_unequal_batches_gives_the_gradient_of_the_union(codec, accum_
 CHUNK = 2500  # entries of each rank's output: three int8 scale chunks, the last one short
 
 
-def _reduce_scatter(rank: int, world_size: int, codec: str, inputs: list[torch.Tensor]) -> dict:
-    comm = ShardedComm(BlockingProbe(HostClock()), start_step=0, node_of=[0] * world_size)
+def _reduce_scatter(rank: int, world_size: int, codec: str, inputs: list[torch.Tensor], start_step: int = 0) -> dict:
+    """``inputs[i]`` reduce-scattered as optimizer step i (``start_step`` of them uncompressed)."""
+    comm = ShardedComm(BlockingProbe(HostClock()), start_step=start_step, node_of=[0] * world_size)
     comm.expected = True
     made = make(codec)
     rs = ShardedReduceScatter(comm, ErrorFeedback(made) if codec in ("int8", "topk") else made, "layer")
-    outs = []
-    for x in inputs:
+    outs, stats = [], []
+    for step, x in enumerate(inputs):
+        comm.step = step
+        comm.reset_step()
         out = torch.empty(CHUNK)
         rs(out, x[rank].clone(), dist.group.WORLD, dist.ReduceOp.SUM)
         outs.append(out)
+        stats.append(comm.step_stats())
     codec_ = rs.codec
     residuals = ([codec_.residual(f"layer/{r}").clone() for r in range(world_size)]
                  if isinstance(codec_, ErrorFeedback) else None)
-    return {"outs": outs, "residuals": residuals, "stats": comm.step_stats()}
+    return {"outs": outs, "residuals": residuals, "stats": stats}
 
 
 def _dyadic(world_size: int, seed: int) -> torch.Tensor:
@@ -207,7 +212,17 @@ def test_cast_reduce_scatter_is_bit_for_bit_on_values_it_represents(world_size):
             # (at most k max|x|, k = 2..n): the worst case of a sum in the wire dtype
             bound = (world_size + world_size * (world_size + 1) / 2) * noisy.abs().max() * unit_roundoff
             assert (r["outs"][1] - want).abs().max() <= bound, codec
-            assert r["stats"].wire_bytes * 2 == r["stats"].raw_bytes
+            assert all(stats.wire_bytes * 2 == stats.raw_bytes for stats in r["stats"])
+
+
+def test_the_first_steps_are_reduced_uncompressed():
+    """Before ``start_step`` the plain fp32 reduce-scatter runs (bit for bit a plain sum of two,
+    full bytes); from it on, the codec."""
+    noisy = torch.randn(2, 2 * CHUNK, generator=torch.Generator().manual_seed(4))
+    for rank, r in enumerate(run_ranks(_reduce_scatter, world_size=2, timeout_s=90, codec="fp16",
+                                       inputs=[noisy, noisy], start_step=1)):
+        assert torch.equal(r["outs"][0], _exact(noisy, rank)) and not torch.equal(r["outs"][1], _exact(noisy, rank))
+        assert r["stats"][0].wire_bytes == r["stats"][0].raw_bytes == 2 * r["stats"][1].wire_bytes
 
 
 @pytest.mark.parametrize("codec", ["int8", "topk"])
@@ -230,7 +245,7 @@ def test_compressed_reduce_scatter_carries_its_error_to_the_next_step(codec):
         held = sum(other["residuals"][rank] for other in results)
         assert held.abs().max() > 0
         torch.testing.assert_close(sum(r["outs"]) + held, sum(_exact(x, rank) for x in inputs), rtol=0, atol=1e-4)
-        assert r["stats"].wire_bytes < r["stats"].raw_bytes / 3
+        assert all(stats.wire_bytes < stats.raw_bytes / 3 for stats in r["stats"])
 
 
 # -- HSDP ---------------------------------------------------------------------------------------------

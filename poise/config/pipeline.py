@@ -18,7 +18,8 @@ class PipelineConfig:
 
     dp_size: int = setting(
         1, "data-parallel replicas of the whole pipeline: world = stages x dp_size; each stage is DDP over "
-        "its replicas with comm.codec (see poise/pipeline/replicas.py)"
+        "its replicas with comm.codec; a step is dp_size x train.batch_size samples, split between the "
+        "replicas in whole micro-batches (see poise/pipeline/replicas.py)"
     )
 
     schedule: str = setting("1f1b", f"pipeline schedule: {', '.join(PIPELINE_SCHEDULES)}")

@@ -9,10 +9,12 @@ replicas (``dp`` group) are the ranks P apart, so on several nodes the DDP all-r
 traffic between nodes: where a codec (``comm.codec``) pays.
 
 Every replica runs the same stage plan (planned once, from rank 0's profile) on its share of
-each step's batch. The step is exact: replica d scales its loss (the mean over its own real
-target tokens) by ``N · n_d / Σ n`` (:func:`poise.balance.loss_weight`), so DDP's average over
-the N replicas is the gradient of the whole step's mean loss, as one process computes it on
-the whole batch, however unequal the shares are.
+each step's batch: ``train.batch_size`` is per data-parallel rank, as in ``poise train``, so a
+step is N x ``train.batch_size`` samples, split by :func:`replica_shares`. The step is exact:
+replica d scales its loss (the mean over its own real target tokens) by ``N · n_d / Σ n``
+(:func:`poise.balance.loss_weight`), so DDP's average over the N replicas is the gradient of
+the whole step's mean loss, as one process computes it on the whole batch, however unequal
+the shares are.
 
 torch's pipelining supports a ``DistributedDataParallel`` stage module for GPipe and 1F1B: it
 keeps the micro-batches' backwards under ``no_sync`` and arms DDP's reducer for the last one,

@@ -210,6 +210,21 @@ class StageRunner:
         return StageStep(loss, compute, time.perf_counter() - started)
 
 
+    def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                 loss_weight: float = 1.0) -> float | None:
+        """Forward only (torch's ``schedule.eval``): the last stage's loss as in :meth:`step`,
+        None elsewhere; no gradient, no optimizer step."""
+        args = (inputs,) if self.is_first else ()
+        losses: list[torch.Tensor] = []
+        if self.is_last:
+            assert targets is not None, "the last stage needs the targets"
+            self.loss_fn.begin_step(targets, loss_weight)
+            self.schedule.eval(*args, target=targets, losses=losses)
+            return float(sum(float(x.detach()) for x in losses))
+        self.schedule.eval(*args)
+        return None
+
+
 def clip_global_grad_norm(params: Sequence[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None) -> float:
     """Clip gradients so the norm over every stage's gradients is at most ``max_norm``.
 

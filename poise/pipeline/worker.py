@@ -13,8 +13,15 @@ loss, so the loss equals the unpadded batch's).
 
 With ``pipeline.dp_size`` N > 1 the world is N replicas of the pipeline
 (:mod:`poise.pipeline.replicas`): every replica runs the same plan on its share of each step's
-batch, each stage in DDP over its replicas with ``comm.codec``, and the report adds each
-replica's figures (``per_dp_rank``) and the reduction's bytes and seconds.
+N x ``train.batch_size`` samples, each stage in DDP over its replicas with ``comm.codec``, and
+the report adds each replica's figures (``per_dp_rank``) and the reduction's bytes and seconds.
+
+With ``train.eval_every`` the pipeline evaluates the held-out subset ``poise train`` evaluates
+(:mod:`poise.pipeline.evaluate`) every that many steps and at the end, stops at
+``train.stop_at_eval_loss``, and reports ``eval_curve`` and ``eval_loss`` under ``poise train``'s
+names (so do ``median_step_s``, ``balance``, ``memory`` and
+``comm_inter_node_wire_bytes_per_step``: ``poise bench parallel`` reads them); without it,
+training loss only, as before.
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -36,60 +42,21 @@ from poise.balance.profile import LayerProfile, profile_layers
 from poise.comm import registry
 from poise.config import RunConfig
 from poise.files import write_json_atomic
+from poise.pipeline.batches import FixedLengthBatches, first_micro_batch
+from poise.pipeline.evaluate import evaluate
 from poise.pipeline.replicas import ReplicaGrid, ReplicaSync, check_comm, make_grid, replica_shares, replica_weight
 from poise.pipeline.stage import StageRunner, TokenLoss, stage_examples, stage_layers
 from poise.pipeline.stages import StagePlan, plan_stages
 from poise.runtime import dist as rdist
-from poise.tasks.base import IGNORE_INDEX, Batch, Task
+from poise.runtime import memory
+from poise.tasks.base import IGNORE_INDEX, Batch
 from poise.train import entry
 from poise.train.data import build_task_once_per_node
+from poise.train.evaluate import eval_indices
 from poise.train.recipe import lr_schedule, lr_warmup, make_optimizer, seed_everything
 
 # By name: run as `-m poise.pipeline.worker`, __name__ would be "__main__", outside "poise".
 log = logging.getLogger("poise.pipeline.worker")
-
-
-class FixedLengthBatches:
-    """The same batches on every rank: a seeded permutation per epoch, padded to ``length``."""
-
-    def __init__(self, task: Task, batch_size: int, length: int, seed: int) -> None:
-        self.task = task
-        self.batch_size = batch_size
-        self.length = length
-        self.seed = seed
-        self.num_samples = len(task.train_lengths)
-        if batch_size > self.num_samples:
-            raise ValueError(f"train.batch_size={batch_size} exceeds the {self.num_samples} training samples")
-        self.per_epoch = self.num_samples // batch_size
-
-    def batch(self, step: int) -> Batch:
-        epoch, index = divmod(step, self.per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-        chosen = order[index * self.batch_size : (index + 1) * self.batch_size]
-        return pad_batch(self.task.collate([self.task.train_set[int(i)] for i in chosen]), self.length)
-
-
-def first_micro_batch(batches: FixedLengthBatches, num_micro_batches: int, samples: int | None = None) -> Batch:
-    """The first micro-batch of step 0 (torch's pipelining cuts a batch into chunks of ⌈B / m⌉
-    rows; ``samples``: B, the samples one pipeline runs per step, default the whole batch)."""
-    first = batches.batch(0)
-    rows = math.ceil((samples or batches.batch_size) / num_micro_batches)
-    return Batch(first.inputs[:rows], first.targets[:rows], rows, 0, 0)
-
-
-def pad_batch(batch: Batch, length: int) -> Batch:
-    """Right-pad inputs (byte 0) and targets (ignored) to ``length`` tokens."""
-    extra = length - batch.inputs.shape[1]
-    if extra < 0:
-        raise ValueError(f"batch of {batch.inputs.shape[1]} tokens is longer than the pipeline length {length}")
-    rows = batch.inputs.shape[0]
-    return Batch(
-        inputs=torch.cat([batch.inputs, batch.inputs.new_zeros(rows, extra)], dim=1),
-        targets=torch.cat([batch.targets, batch.targets.new_full((rows, extra), IGNORE_INDEX)], dim=1),
-        num_samples=batch.num_samples,
-        num_tokens=batch.num_tokens,
-        num_padded_tokens=rows * (length + 1),
-    )
 
 
 def profile_micro_batch(layers: list[torch.nn.Module], names: list[str], micro: Batch, *, repeats: int,
@@ -139,12 +106,16 @@ def check_config(config: RunConfig, batch_size: int | None) -> None:
     if batch_size is not None and batch_size < m and dp == 1:
         raise ValueError(f"train.batch_size={batch_size} cannot be cut into pipeline.micro_batches={m}: "
                          "give a batch of at least that many samples")
-    if batch_size is not None and (batch_size < m * dp or batch_size % m):
-        # torch's pipelining sizes every micro-batch's buffers from the first: a shorter last one
-        # would stop the last stage with a shape error in its loss
-        replicas = f" for each of pipeline.dp_size={dp} replicas" if dp > 1 else ""
+    # torch's pipelining sizes every micro-batch's buffers from the first: a shorter last one
+    # would stop the last stage with a shape error in its loss
+    if batch_size is not None and dp == 1 and batch_size % m:
         raise ValueError(f"train.batch_size={batch_size} cannot be cut into pipeline.micro_batches={m} equal "
-                         f"micro-batches{replicas}: give a multiple of {m}, at least {m * dp}")
+                         f"micro-batches: give a multiple of {m}")
+    if batch_size is not None and dp > 1 and (batch_size < m or batch_size * dp % m):
+        raise ValueError(f"train.batch_size={batch_size} per replica ({batch_size * dp} samples per step over "
+                         f"pipeline.dp_size={dp} replicas) cannot be cut into whole micro-batches: each replica "
+                         f"runs pipeline.micro_batches={m} equal ones, so give at least {m} per replica and a "
+                         f"multiple of {m} per step")
     stages = world // dp
     if config.task.num_layers + 2 < stages:
         raise ValueError(f"{stages} stages need at least as many layers, but code-lm has "
@@ -158,15 +129,17 @@ def layer_names(num_blocks: int) -> list[str]:
 
 
 def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
-    """Profile, plan, train this rank's stage; rank 0 writes and returns the report."""
+    """Profile, plan, train this rank's stage (evaluating every ``train.eval_every`` steps, if
+    set, and then at the end); rank 0 writes and returns the report."""
     started = time.perf_counter()
     torch.set_num_threads(rdist.threads_for(config, ctx.local_world_size))
     seed_everything(config.train.seed, ctx.rank)
     check_config(config, config.train.batch_size)
     task = build_task_once_per_node(config, ctx)
     pc, tc = config.pipeline, config.train
-    batch_size = tc.batch_size or task.default_batch_size
-    check_config(config, batch_size)
+    check_config(config, tc.batch_size or task.default_batch_size)
+    # train.batch_size is per data-parallel rank, as in poise train: a step is dp_size times it
+    batch_size = (tc.batch_size or task.default_batch_size) * pc.dp_size
     total_steps = config.total_steps or 0
     grid = make_grid(pc.dp_size)
     stages = grid.pp_size
@@ -188,22 +161,35 @@ def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
                  " | ".join("+".join(s) for s in plan.stage_layers), plan.compute_balance,
                  f", {grid.dp_size} replicas" if grid.dp_size > 1 else "")
     module = stage_layers(layers, plan.boundaries, grid.pp_rank)
-    sync, compression_start, example = None, None, None
-    if grid.dp_group is not None:  # DDP needs torch's shape metadata given (StageRunner's example)
-        example = stage_examples(layers, plan.boundaries, grid.pp_rank,
-                                 batches.batch(0).inputs[share][: len(share) // pc.micro_batches])
+    example = stage_examples(layers, plan.boundaries, grid.pp_rank,
+                             batches.batch(0).inputs[share][: len(share) // pc.micro_batches])
     del model, layers  # this rank keeps its own stage only
+    sync, compression_start, span = None, None, tc.schedule_steps or total_steps
     if grid.dp_group is not None:
         compression_start = registry.compression_start(config.comm, total_steps, lr_warmup(tc.warmup_steps,
                                                                                             total_steps))
         sync = ReplicaSync(module, config.comm, group=grid.dp_group, backend=ctx.backend,
                            compression_start=compression_start, device=ctx.device)
+        if registry.codec(config.comm.codec).lossy:  # each lossy step is worth less: the whole run (train/recipe)
+            span = total_steps
     optimizer = make_optimizer(module.parameters(), config, task, compression_start)
-    scheduler = lr_schedule(optimizer, tc.warmup_steps, total_steps)
+    scheduler = lr_schedule(optimizer, tc.warmup_steps, span)
+    # DDP needs torch's shape metadata given (see StageRunner's example); alone, torch infers it
     runner = StageRunner(module if sync is None else sync.model, stage_index=grid.pp_rank, num_stages=stages,
                          schedule=pc.schedule, num_micro_batches=pc.micro_batches, optimizer=optimizer,
-                         grad_clip_norm=tc.grad_clip_norm, device=ctx.device, group=grid.pp_group, example=example)
-    rows = []
+                         grad_clip_norm=tc.grad_clip_norm, device=ctx.device, group=grid.pp_group,
+                         example=None if sync is None else example)
+    p2p_bytes, dp_crosses = crossings(grid, ctx.local_world_size, example, pc.micro_batches)
+    subset = eval_indices(len(task.eval_set), config.task.eval_max_samples)
+
+    def run_eval() -> float:
+        loss_sum, count = evaluate(runner, task, subset, batch_size=batch_size, length=length, shares=shares,
+                                   dp_rank=grid.dp_rank)
+        return task.loss_in_unit(loss_sum / max(count, 1))
+
+    rows: list[dict] = []
+    curve: list[dict] = []
+    eval_s, reached, train_started = 0.0, False, time.perf_counter()
     for step in range(total_steps):
         batch = batches.batch(step)
         weight = replica_weight(batch.targets, shares, grid.dp_rank)
@@ -214,27 +200,63 @@ def train_pipeline(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
         scheduler.step()
         loss = None if rec.loss is None else task.loss_in_unit(rec.loss)
         row = {"compute_s": rec.compute_s, "step_s": rec.step_s, "loss": loss, "tokens": batch.num_tokens,
-               "samples": len(share), "targets": int((targets != IGNORE_INDEX).sum()), "weight": weight}
+               "samples": len(share), "targets": int((targets != IGNORE_INDEX).sum()), "weight": weight,
+               "inter_node_bytes": p2p_bytes}
         if sync is not None:
             traffic = sync.end_step()
             # the stage's last backward waited for its replicas' buckets: that is no compute of its own
             row.update(compute_s=max(0.0, rec.compute_s - traffic.exposed_s), raw_bytes=traffic.raw_bytes,
-                       wire_bytes=traffic.wire_bytes, dp_comm_s=traffic.comm_s, dp_exposed_s=traffic.exposed_s)
+                       wire_bytes=traffic.wire_bytes, dp_comm_s=traffic.comm_s, dp_exposed_s=traffic.exposed_s,
+                       inter_node_bytes=p2p_bytes + (traffic.wire_bytes if dp_crosses else 0))
         rows.append(row)
         if runner.is_last and rec.loss is not None and not math.isfinite(rec.loss):
             raise FloatingPointError(f"training loss is {rec.loss} at step {step}")
         if ctx.is_main and (step + 1) % config.diagnostics.log_every_steps == 0:
             log.info("step %d/%d: stage 0 compute %.0f ms, step %.0f ms", step + 1, total_steps,
                      rec.compute_s * 1e3, rec.step_s * 1e3)
-    gathered: list[list[dict]] = [[] for _ in range(ctx.world_size)]
-    dist.all_gather_object(gathered, rows)
+        if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < total_steps:
+            at = time.perf_counter()
+            curve.append({"step": step + 1, "train_s": at - train_started - eval_s, "loss": run_eval()})
+            eval_s += time.perf_counter() - at
+            reached = tc.stop_at_eval_loss is not None and curve[-1]["loss"] <= tc.stop_at_eval_loss
+            if reached:  # the same on every rank: the loss is summed over the world
+                log.info("step %d: eval loss %.4f reached train.stop_at_eval_loss=%g: stopping", step + 1,
+                         curve[-1]["loss"], tc.stop_at_eval_loss)
+                break
+    if tc.eval_every and not reached:  # evaluations only when asked for (the pipeline's report is its balance)
+        at = time.perf_counter()
+        curve.append({"step": len(rows), "train_s": at - train_started - eval_s, "loss": run_eval()})
+    mine = {"rows": rows, "memory": memory.summary(None, memory.state_bytes(module, optimizer))}
+    gathered: list[dict] = [{} for _ in range(ctx.world_size)]
+    dist.all_gather_object(gathered, mine)
     if not ctx.is_main:
         return None
-    report = build_report(config, plan, profile, gathered, loss_unit=task.loss_unit,
+    report = build_report(config, plan, profile, [g["rows"] for g in gathered], loss_unit=task.loss_unit,
                           wall_s=time.perf_counter() - started, grid=grid)
+    report.update(eval_curve=curve, eval_loss=curve[-1]["loss"] if curve else None, stopped_at_eval_loss=reached,
+                  memory=[g["memory"] for g in gathered])
     write_json_atomic(Path(config.out_dir) / "report.json", report)
     log.info("done: measured balance %.3f vs predicted %.3f", report["measured_balance"], report["predicted_balance"])
     return report
+
+
+def crossings(grid: ReplicaGrid, local_world_size: int, example: tuple[torch.Tensor, torch.Tensor],
+              micro_batches: int) -> tuple[int, bool]:
+    """What this rank sends between nodes (nodes hold ``local_world_size`` consecutive ranks):
+    the bytes of its activations and input gradients per step that go to a stage on another
+    node, and whether its ``dp`` group spans nodes (then all its DDP traffic does)."""
+    def node(rank: int) -> int:
+        return rank // local_world_size
+
+    me = grid.rank_of(grid.dp_rank, grid.pp_rank)
+    sent = 0
+    inputs, outputs = example
+    if grid.pp_rank < grid.pp_size - 1 and node(me + 1) != node(me):
+        sent += micro_batches * outputs.numel() * outputs.element_size()
+    if grid.pp_rank > 0 and inputs.is_floating_point() and node(me - 1) != node(me):
+        sent += micro_batches * inputs.numel() * inputs.element_size()
+    replicas = {node(grid.rank_of(d, grid.pp_rank)) for d in range(grid.dp_size)}
+    return sent, len(replicas) > 1
 
 
 def build_report(config: RunConfig, plan: StagePlan, profile: LayerProfile, per_rank: list[list[dict]],
@@ -281,6 +303,12 @@ def build_report(config: RunConfig, plan: StagePlan, profile: LayerProfile, per_
         "balance_gap": abs(measured_balance - predicted_balance),
         "measured_balance_per_step_median": statistics.median(per_step_balance),
         "step_s": step_s,
+        "median_step_s": step_s,  # the name poise train's report gives it
+        # as poise train's: the mean over steps of the balance of every rank's compute
+        "balance": statistics.mean(balance([rows[i]["compute_s"] for rows in per_rank]) for i in range(skip, steps)),
+        # activations and gradients to a stage on another node, DDP traffic of dp groups across nodes
+        "comm_inter_node_wire_bytes_per_step": statistics.median(
+            sum(rows[i].get("inter_node_bytes", 0) for rows in per_rank) for i in range(skip, steps)),
         "throughput_tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
         "train_loss_first": losses[0],
         "train_loss_last": losses[-1],

@@ -12,6 +12,9 @@ exact ones, and not equal to them.
 
 from __future__ import annotations
 
+import types
+
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +34,7 @@ def _model():
 
 
 def _batch(step: int):
-    from poise.pipeline.worker import pad_batch
+    from poise.pipeline.batches import pad_batch
     from poise.tasks.code_lm import collate_bytes
 
     g = torch.Generator().manual_seed(10 + step)
@@ -57,8 +60,18 @@ def _reference(steps: int, clip: float) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": norms, "grads": grads,
+    return {"losses": losses, "norms": norms, "grads": grads, "model": model,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _held_out():
+    """7 held-out samples: fewer than a batch of 10, so the evaluation fills rows that count nothing."""
+    from poise.tasks.code_lm import collate_bytes
+
+    g = torch.Generator().manual_seed(99)
+    samples = [torch.randint(0, 256, (int(n),), generator=g, dtype=torch.uint8)
+               for n in torch.randint(4, 48, (7,), generator=g)]
+    return types.SimpleNamespace(eval_set=samples, collate=collate_bytes)
 
 
 def _stage(grid, schedule: str, codec: str, optimizer: bool, clip: float):
@@ -115,6 +128,20 @@ def _dp_pp_vs_one_process(rank: int, world_size: int) -> dict:
             shares.append(rows)
         out[schedule] = {"losses": losses, "shares": shares, "weight_gap": _gap(module, names, reference["params"]),
                          "wire_bytes": traffic.wire_bytes, "raw_bytes": traffic.raw_bytes}
+    # the trained pipeline evaluated on held-out samples, as the reference model on them
+    from poise.pipeline.evaluate import evaluate
+    from poise.pipeline.replicas import replica_shares
+    from poise.tasks.base import IGNORE_INDEX
+    from poise.tasks.code_lm import code_lm_loss
+
+    task = _held_out()
+    loss_sum, count = evaluate(runner, task, np.arange(7), batch_size=10, length=LENGTH,
+                               shares=replica_shares(10, LENGTH, 2, 2), dp_rank=grid.dp_rank)
+    with torch.no_grad():
+        batch = task.collate(task.eval_set)
+        out["eval"] = {"mean": loss_sum / count, "count": count,
+                       "ref_mean": float(code_lm_loss(reference["model"], batch)),
+                       "ref_count": int((batch.targets != IGNORE_INDEX).sum())}
     return out
 
 
@@ -136,6 +163,9 @@ def test_dp_x_pp_equals_one_process_on_the_same_samples():
         for r in per_rank:
             assert r["weight_gap"] < 1e-5, (schedule, r)
             assert r["raw_bytes"] > 0 and r["wire_bytes"] == r["raw_bytes"]  # fp32 all-reduce on dp
+    for r in results:  # every rank has the held-out loss of the trained weights
+        assert r["eval"]["count"] == r["eval"]["ref_count"]
+        assert r["eval"]["mean"] == pytest.approx(r["eval"]["ref_mean"], rel=1e-5)
 
 
 def _fp16_on_dp(rank: int, world_size: int) -> dict:

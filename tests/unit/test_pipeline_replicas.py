@@ -106,10 +106,12 @@ def test_stages_times_dp_are_the_workers():
 
 @pytest.mark.parametrize(("settings", "message"), [
     ({"dist": {"nproc": 3}, "pipeline": {"dp_size": 2}}, "pipeline.dp_size=2 does not divide the 3 workers"),
-    ({"dist": {"nproc": 4}, "pipeline": {"dp_size": 2, "micro_batches": 2}, "train": {"batch_size": 3}},
-     "give a multiple of 2, at least 4"),
+    ({"dist": {"nproc": 4}, "pipeline": {"dp_size": 2, "micro_batches": 2}, "train": {"batch_size": 1}},
+     "give at least 2 per replica and a multiple of 2 per step"),
+    ({"dist": {"nproc": 4}, "pipeline": {"dp_size": 2, "micro_batches": 4}, "train": {"batch_size": 5}},
+     r"\(10 samples per step over pipeline.dp_size=2 replicas\)"),
     ({"dist": {"nproc": 2}, "pipeline": {"micro_batches": 2}, "train": {"batch_size": 5}},
-     "give a multiple of 2, at least 2"),
+     "equal micro-batches: give a multiple of 2$"),
     ({"dist": {"nproc": 4}, "pipeline": {"dp_size": 2}, "comm": {"collective": "ring"}}, "'flat' only"),
     ({"dist": {"nproc": 4}, "pipeline": {"dp_size": 2}, "comm": {"codec": "auto"}}, "name a codec"),
     ({"dist": {"nproc": 4}, "pipeline": {"dp_size": 2}, "comm": {"local_first": True}}, "must stay alike"),
@@ -126,6 +128,7 @@ def test_one_replica_keeps_every_check_of_before():
     config = cfg.from_dict({"task": {"name": "code-lm", "num_layers": 2}, "dist": {"nproc": 9}})
     with pytest.raises(ValueError, match=r"^9 stages need at least as many layers"):
         check_config(config, None)
-    config = cfg.from_dict({"task": {"name": "code-lm"}, "dist": {"nproc": 4}, "pipeline": {"dp_size": 2},
-                            "comm": {"codec": "fp16"}, "train": {"batch_size": 8}})
-    check_config(config, 8)  # 2 stages x 2 replicas of 4 samples: fine
+    config = cfg.from_dict({"task": {"name": "code-lm"}, "dist": {"nproc": 4},
+                            "pipeline": {"dp_size": 2, "micro_batches": 2}, "comm": {"codec": "fp16"},
+                            "train": {"batch_size": 5}})
+    check_config(config, 5)  # 2 stages x 2 replicas; 10 samples a step: shares of 6 and 4 in 2 micro-batches

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from poise.cli.flags import add_config_flags, resolve
+from poise.cli.flags import add_config_flags, overrides, resolve
 from poise.cli.train import add_overwrite_flag, record_config
 from poise.launch.job import launch_job
 from poise.log import make_console
@@ -72,12 +72,11 @@ def set_workers(args: argparse.Namespace) -> None:
         raise ValueError(f"--stages {stages} x pipeline.dp_size={dp} = {stages * dp} workers do not spread evenly "
                          f"over {nodes} nodes")
     nproc = stages * dp // nodes
-    cluster = str(getattr(args, "pair:--cluster", ""))
-    given = getattr(args, "config:dist.nproc", None) or (cluster.split(":")[1] if ":" in cluster else None)
+    given = overrides(args).get("dist", {}).get("nproc")  # --nproc, --dist.nproc or --cluster N:M
     if given is not None and str(given).strip() != str(nproc):
         raise ValueError(f"--stages {stages} with pipeline.dp_size={dp} runs {nproc} workers per node, but "
                          f"dist.nproc={given} is given too: give one of them")
-    setattr(args, "config:dist.nproc", str(nproc))
+    setattr(args, "config:dist.nproc", str(nproc))  # as --dist.nproc would (flags.py's dest)
 
 
 def show_report(report: dict[str, Any]) -> None:

@@ -80,17 +80,21 @@ def _check_exact_first_step(out: Path) -> None:
     assert max(float((naive[n] - expected[n]).abs().max()) for n in expected) > 1e-4
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_lightning_strategy(tmp_path, accumulate):
-    report = _launch("lightning_train.py", tmp_path, "--accumulate", str(accumulate))
+    """Two epochs of 7 steps: the second trains too (Lightning's set_epoch reaches the
+    session's sampler; before, every epoch after the first ran no batch)."""
+    report = _launch("lightning_train.py", tmp_path, "--accumulate", str(accumulate), "--epochs", "2")
     _check_exact_first_step(tmp_path)
     lightning = report["lightning"]
-    assert report["steps"] == 7 and lightning["global_step"] == (7 if accumulate == 1 else 4)
-    assert "val_loss" in lightning["metrics"]  # the validation loader ran, untouched
+    # with accumulation each epoch's 7th batch steps alone: 4 optimizer steps an epoch
+    assert report["steps"] == 14 and lightning["global_step"] == (14 if accumulate == 1 else 8)
+    assert lightning["epochs"] == 2 and "val_loss" in lightning["metrics"]  # the validation loader ran, untouched
     if accumulate == 1:  # (with accumulation, half the steps send nothing: the median ratio says less)
         assert report["compression_ratio"] == pytest.approx(2.0)
     checkpoint = torch.load(next((tmp_path / "checkpoints").glob("*.ckpt")), weights_only=False)
-    assert checkpoint["poise"]["world_size"] == 2 and checkpoint["poise"]["steps_done"] == 7
+    assert checkpoint["poise"]["world_size"] == 2 and checkpoint["poise"]["steps_done"] == 14
 
 
 def test_accelerate_attach(tmp_path):

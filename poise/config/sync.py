@@ -13,6 +13,8 @@ OUTER_MODES = ("local_sgd", "diloco", "streaming")
 MAX_INNER_STEPS = 100_000
 # codecs of the outer parameter change (poise/comm/codecs/), each with error feedback
 OUTER_CODECS = ("none", "fp16", "bf16", "int8", "topk")
+# who trains together between outer steps: each rank alone, or each node's ranks as one DDP replica
+INNER_SCOPES = ("rank", "node")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +29,12 @@ class SyncConfig:
         "torchft-diloco: other libraries' versions, for comparison"
     )
     inner_steps: int = setting(20, "optimizer steps between two outer steps (H; streaming: of each fragment)")
+    inner_scope: str = setting(
+        "rank", "outer modes: who trains together between outer steps. rank = every rank alone (its own batch, "
+        "nothing sent); node = the ranks of a node as one replica: their gradients all-reduced every step within "
+        "the node (DDP over LOCAL_WORLD_SIZE consecutive ranks, [comm]'s codec), and the outer step between nodes "
+        "only, each rank sending 1/LOCAL_WORLD_SIZE of it (post-local SGD's layout: fewer, larger-batch replicas "
+        "drift apart less; a node sends one model's change per outer step, not one per rank)")
     warmup_steps: int = setting(
         0, "optimizer steps synchronized every step (DDP's all-reduce, [comm]) before the first outer round: the "
         "early steps, where the ranks' models would drift apart most (post-local SGD's warm-up)")
@@ -74,6 +82,8 @@ class SyncConfig:
             raise ValueError(f"sync.codec={self.codec!r} is unknown: allowed are {', '.join(OUTER_CODECS)}")
         if not 0.0 < self.topk_ratio <= 1.0:
             raise ValueError(f"sync.topk_ratio={self.topk_ratio!r} is outside (0, 1]")
+        if self.inner_scope not in INNER_SCOPES:
+            raise ValueError(f"sync.inner_scope={self.inner_scope!r} is unknown: allowed are {', '.join(INNER_SCOPES)}")
         if self.weighting not in ("tokens", "equal"):
             raise ValueError(f"sync.weighting={self.weighting!r} is unknown: allowed are tokens, equal")
         if not 0.0 < self.auto_max_overhead <= 1.0:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,6 +43,8 @@ class AllReduce:
         backend: the process group's backend (``gloo``, ``nccl``).
         compression_start: optimizer steps sent uncompressed first.
         outer, inner: hook wrappers, applied around the probe and around the codec's hook.
+        process_group: the ranks that average gradients (None: the world; a node's ranks under
+            ``sync.inner_scope=node``).
 
     Raises:
         ValueError: a codec that cannot run on ``backend``, or a DDP model whose buckets do
@@ -53,11 +56,11 @@ class AllReduce:
 
     def __init__(self, model: nn.Module, config: CommConfig, *, clock: Clock, backend: str,
                  compression_start: int, outer: Sequence[HookWrapper] = (),
-                 inner: Sequence[HookWrapper] = ()) -> None:
+                 inner: Sequence[HookWrapper] = (), process_group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self.probe = BucketProbe(clock)
-        self.model = self._ddp(model, backend)
-        hook, self.state = comm_builder.build(config, start_step=compression_start)
+        self.model = self._ddp(model, backend, process_group)
+        hook, self.state = comm_builder.build(config, process_group, start_step=compression_start)
         for wrap in inner:
             hook = wrap(hook)
         hook = instrumented(hook, self.probe)
@@ -67,10 +70,13 @@ class AllReduce:
         self.model.register_comm_hook(self.state, _refuse_outside(hook, lambda: self._expected))
         self._no_sync = NoSync(self.model)
 
-    def _ddp(self, model: nn.Module, backend: str) -> DistributedDataParallel:
+    def _ddp(self, model: nn.Module, backend: str, group: dist.ProcessGroup | None) -> DistributedDataParallel:
         comm_builder.check_backend(self.config, backend)
         single = comm_builder.requires_single_bucket(self.config)
         size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        if isinstance(model, DistributedDataParallel) and group is not None:
+            raise ValueError("a DDP model with a node's process group: give the plain module, which is wrapped in "
+                             "DDP over the node's ranks here (sync.inner_scope='node')")
         if isinstance(model, DistributedDataParallel):
             if single and model.bucket_bytes_cap < size_mb * 2**20:
                 raise ValueError(f"comm.codec={self.config.codec!r} needs one bucket on gloo: build DDP with "
@@ -84,7 +90,7 @@ class AllReduce:
         params = list(model.parameters())
         device = params[0].device if params else torch.device("cpu")
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       bucket_cap_mb=bucket_cap_mb)
+                                       bucket_cap_mb=bucket_cap_mb, process_group=group)
 
     @property
     def trial(self) -> CodecTrial | None:

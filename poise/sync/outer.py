@@ -25,6 +25,11 @@ smaller share of each step, and the same number of steps) counts for less, and e
 counts once. A rank that trained nothing in a round sends a zero change with weight 0, and no
 rank waits on it beyond the all-reduce itself.
 
+With ``inner_scope=node`` a node's ranks are one replica (:mod:`poise.sync.nodes`): DDP
+all-reduces their gradients every step within the node, and the outer step above runs between
+nodes only (``r`` is then a node, ``w_r`` its share of the round's tokens), each rank sending
+the piece of the change its local rank owns.
+
 Outer changes can be compressed with poise's codecs (``fp16``, ``bf16``, ``int8``, ``topk``),
 always with error feedback: what a round fails to send is added to the next round's change.
 
@@ -57,6 +62,8 @@ from poise.comm.trial import CodecTrial
 from poise.config import CommConfig, SyncConfig
 from poise.runtime.clock import Clock
 from poise.sync.allreduce import AllReduce, HookWrapper
+from poise.sync.fragments import fragments, launch_step
+from poise.sync.nodes import assemble, average_across_nodes, make_nodes, piece
 
 log = logging.getLogger(__name__)
 
@@ -64,29 +71,6 @@ log = logging.getLogger(__name__)
 AUTO_MIN_INNER, AUTO_MAX_INNER = 2, 500
 # auto's outer step is DiLoCo's (Nesterov) from this many rounds left, else plain averaging
 AUTO_DILOCO_ROUNDS = 50
-
-
-def fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
-    """Split parameters (their ``sizes``, in model order) into at most ``count`` contiguous
-    groups of about equal size: Streaming DiLoCo's fragments (consecutive layers together).
-    Every group is non-empty; fewer groups than ``count`` when there are fewer parameters."""
-    count = max(1, min(count, len(sizes)))
-    total = sum(sizes)
-    groups: list[list[int]] = [[] for _ in range(count)]
-    done, group = 0, 0
-    for index, size in enumerate(sizes):
-        share = int(done * count / total) if total else index
-        # one group on at most, and never so late that a later group would stay empty
-        group = max(min(count - 1, group + 1, share), group, count - (len(sizes) - index))
-        groups[group].append(index)
-        done += size
-    return [g for g in groups if g]
-
-
-def launch_step(fragment: int, count: int, inner_steps: int) -> int:
-    """The optimizer step (mod ``inner_steps``) after which ``fragment`` of ``count`` launches its
-    outer all-reduce: fragments take turns at equal spacing, the last at the round's end."""
-    return ((fragment + 1) * inner_steps // count) % inner_steps
 
 
 def choose_inner_steps(sync_s: float, compute_s: float, max_overhead: float, steps_left: int | None = None) -> int:
@@ -113,7 +97,8 @@ class Outer:
     """Local SGD, DiLoCo or Streaming DiLoCo (see module doc); a :class:`~poise.sync.Sync`.
 
     Composed over an :class:`AllReduce` on the same DDP model: inner steps run under DDP's
-    ``no_sync`` (no gradient leaves the rank); ``auto`` may hand every step back to it.
+    ``no_sync`` (no gradient leaves the rank), or, with ``inner_scope=node``, all-reduce within
+    the node (DDP over the node's ranks); ``auto`` may hand every step back to it.
 
     Args:
         model, comm, clock, backend, compression_start, outer: as :class:`AllReduce`'s.
@@ -122,21 +107,24 @@ class Outer:
         last_step: the run's optimizer steps, if known: after the last, every fragment is
             synchronized and applied, so every rank ends with the same model (None: the ranks
             end with their own parameters since the last outer step).
+        ranks_per_node: ranks of a node (None: ``LOCAL_WORLD_SIZE``, else the world); it makes
+            the nodes of ``inner_scope=node`` and says which outer collectives cross nodes.
     """
 
     replicas_agree = False
 
     def __init__(self, model: nn.Module, comm: CommConfig, config: SyncConfig, *, clock: Clock, backend: str,
                  compression_start: int, world_size: int, last_step: int | None = None,
-                 outer: Sequence[HookWrapper] = ()) -> None:
+                 outer: Sequence[HookWrapper] = (), ranks_per_node: int | None = None) -> None:
         self.config = config
         self.last_step = last_step
         if last_step is None:  # said once: a model saved from one rank would silently be that rank's alone
             log.warning("sync.mode=%r without Data(total_steps=...): the ranks end with their own parameters since "
                         "the last outer step; give total_steps so the last step synchronizes every fragment",
                         config.mode)
+        self.nodes = make_nodes(config.inner_scope, dist.get_rank(), world_size, ranks_per_node)
         self.inner = AllReduce(model, comm, clock=clock, backend=backend, compression_start=compression_start,
-                               outer=outer)
+                               outer=outer, process_group=self.nodes.node_group)
         self.model, self.probe = self.inner.model, self.inner.probe
         self.world_size = world_size
         # local SGD is the outer step with lr 1 and no momentum; auto's trial steps are too
@@ -157,13 +145,15 @@ class Outer:
         self.steps = 0  # optimizer steps done
         self.outer_steps = 0  # outer reductions applied (all fragments)
         self.pending: list[Pending] = []
-        self.counters = Counters()
+        self.counters = Counters()  # bytes of the outer collectives (they cross nodes, if there are several)
+        self.node_counters = Counters()  # bytes of collectives within a node (inner_scope=node's gathers)
         codec = make("none") if config.codec == "none" else ErrorFeedback(make(config.codec, **self._options()))
-        self.reducer = make_reducer(codec, None, self.counters)
+        self.reducer = make_reducer(codec, self.nodes.cross_group, self.counters)
         self.codec = codec
         self.choice: dict[str, Any] | None = None  # auto's decision and its figures
         self._trial: list[tuple[float, float]] = []  # auto: (compute s, sync s) of each trial step
         self._step_began = 0.0
+        self._last = True  # the micro-batch in hand ends the step's accumulation
 
     def _options(self) -> dict[str, Any]:
         return {"ratio": self.config.topk_ratio} if self.config.codec == "topk" else {}
@@ -175,8 +165,15 @@ class Outer:
 
     @property
     def local_loss(self) -> bool:
-        """Each rank trains on its own mean loss, except while every step synchronizes."""
-        return not self.every_step
+        """Each rank trains on its own mean loss, except while every step synchronizes, and
+        except under ``inner_scope=node``: there DDP averages the node's weighted losses."""
+        return not self.every_step and not self.nodes.by_node
+
+    @property
+    def loss_ranks(self) -> range | None:
+        """``inner_scope=node`` between outer steps: the ranks whose batches this step's loss
+        weight is a share of (``L n_r / N_node``, :mod:`poise.sync.nodes`); None: the world's."""
+        return self.nodes.node_ranks if self.nodes.by_node and not self.every_step else None
 
     @property
     def trial(self) -> CodecTrial | None:
@@ -199,15 +196,20 @@ class Outer:
     def begin_step(self, index: int) -> None:
         self.inner.begin_step(index)
         self.counters.reset()
+        self.node_counters.reset()
         self._step_began = time.perf_counter()
 
     def micro_batch(self, last: bool) -> None:
-        """Per-step sync: as the inner all-reduce. Otherwise every forward runs under
-        ``no_sync`` (entered before the forward, left at the step's end)."""
-        self.inner.micro_batch(last if self.every_step else False)
+        """Per-step sync and ``inner_scope=node``: as the inner all-reduce. Otherwise every
+        forward runs under ``no_sync`` (entered before the forward, left at the step's end)."""
+        self._last = last
+        self.inner.micro_batch(last if self.every_step or self.nodes.by_node else False)
 
     def backward(self, run: Callable[[], None]) -> None:
         self.inner.backward(run)
+        if self.nodes.by_node and self.every_step and self._last:  # the node's gradients, then the world's
+            average_across_nodes([p.grad for p in self.params if p.grad is not None], self.nodes, self.counters,
+                                 self.node_counters)
 
     def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
         self.inner.micro_batch(True)  # leave no_sync: the step is over
@@ -232,7 +234,7 @@ class Outer:
             if final or (self.steps - self.config.warmup_steps) % self.inner_steps == launch_step(
                     fragment, len(self.groups), self.inner_steps):
                 self._launch(fragment, delay=0 if final else None)
-        self._apply_due(everything=final)
+        self._apply_due(everything=final, mix=not final)  # the run's last: every rank takes the global model
         if self.config.mode == "auto" and self.choice is None:
             self._auto_trial(compute_s, time.perf_counter() - sync_began)
 
@@ -247,33 +249,46 @@ class Outer:
         """Start the outer all-reduce of ``fragment``'s weighted change (see module doc), to be
         applied after ``delay`` more inner steps (None: streaming's tau, else 0)."""
         tokens, self.tokens[fragment] = self.tokens[fragment], 0.0
+        nodes = self.nodes
+        if nodes.lone and self.lr == 1.0 and not self.momentum:  # one node averaging with itself: exactly
+            with torch.no_grad():  # what it holds (DDP's parameters, not global - (global - local))
+                self.global_[fragment] = self._flat(self.groups[fragment])
+            self.outer_steps += 1
+            return
         if self.config.weighting == "tokens":
-            total = torch.tensor([tokens], dtype=torch.float64, device=self.device)
-            dist.all_reduce(total)  # one number, so every rank knows the round's tokens
-            weight = tokens / float(total.item()) if float(total.item()) > 0 else None
-            if weight is None:  # no rank trained anything since this fragment's last outer step
+            counts = torch.zeros(nodes.replicas, dtype=torch.float64, device=self.device)
+            counts[nodes.replica] = tokens  # a replica's terms: a rank's, or its node's ranks' summed
+            dist.all_reduce(counts)  # so every rank knows each replica's tokens in the round
+            total = float(counts.sum().item())
+            if total <= 0:  # no rank trained anything since this fragment's last outer step
                 self.pending.append(Pending(fragment, self.steps, None))
                 return
+            weight = float(counts[nodes.replica].item()) / total
         else:
-            weight = 1.0 / self.world_size
+            weight = 1.0 / nodes.replicas
         delta = self.global_[fragment] - self._flat(self.groups[fragment])
         if delay is None:
             delay = self.config.delay_steps if self.config.mode == "streaming" else 0
-        result = self.reducer.reduce(delta, key=fragment, weight=weight)
+        # inner_scope=node: this rank's piece, reduced with the same local rank on the other nodes
+        result = _done(delta.mul_(weight)) if nodes.lone else self.reducer.reduce(piece(delta, nodes), key=fragment,
+                                                                                   weight=weight)
         self.pending.append(Pending(fragment, self.steps + delay, result))
 
-    def _apply_due(self, everything: bool = False) -> None:
+    def _apply_due(self, everything: bool = False, mix: bool = True) -> None:
         due: list[Pending] = []
         waiting: list[Pending] = []
         for p in self.pending:
             (due if everything or p.apply_after <= self.steps else waiting).append(p)
         self.pending = waiting
         for p in due:
-            self._apply(p.fragment, p.result.wait() if p.result is not None else None)
+            avg = p.result.wait() if p.result is not None else None
+            if avg is not None and not self.nodes.lone:  # the node's pieces, gathered (a no-op for one piece)
+                avg = assemble(avg, self.global_[p.fragment].numel(), self.nodes, self.node_counters)
+            self._apply(p.fragment, avg, mix)
 
-    def _apply(self, fragment: int, avg: torch.Tensor | None) -> None:
+    def _apply(self, fragment: int, avg: torch.Tensor | None, mix: bool = True) -> None:
         """The outer optimizer step on ``fragment`` with the ranks' average change ``avg``, and
-        the rank's parameters set to the result (streaming: mixed into them)."""
+        the rank's parameters set to the result (streaming: mixed into them, if ``mix``)."""
         group, global_ = self.groups[fragment], self.global_[fragment]
         if avg is not None:
             avg = avg.to(global_.device)  # a result restored from a checkpoint is on the CPU
@@ -283,7 +298,7 @@ class Outer:
                 global_.sub_(avg.add(momentum, alpha=self.momentum), alpha=self.lr)
             else:
                 global_.sub_(avg, alpha=self.lr)
-        alpha = self.config.mixing if self.config.mode == "streaming" else 0.0
+        alpha = self.config.mixing if self.config.mode == "streaming" and mix else 0.0
         local = global_ if alpha == 0.0 else self._flat(group).mul_(alpha).add_(global_, alpha=1.0 - alpha)
         self._write(group, local)
         self.outer_steps += 1
@@ -326,12 +341,17 @@ class Outer:
         return self.inner.between_steps()
 
     def traffic(self) -> tuple[StepStats, StepStats]:
-        if self.every_step or self.inner.state.step_stats().buckets:
-            return self.inner.traffic()
-        return self.counters.snapshot(), StepStats()
+        """The inner all-reduce's bytes (every step within a node, or the warm-up's), the outer
+        collectives' (inter-node too when there are several nodes) and the gathers within a node."""
+        inner, inner_between = self.inner.traffic()
+        outer, local = self.counters.snapshot(), self.node_counters.snapshot()
+        between = _plus(inner_between, outer) if self.nodes.spans_nodes else inner_between
+        return _plus(_plus(inner, outer), local), between
 
     def settle(self, forward_backward: Callable[[], None]) -> None:
-        """Nothing to settle: inner steps hand no bucket to a hook."""
+        """``inner_scope=node``: as the inner all-reduce's; else nothing (inner steps hand no bucket to a hook)."""
+        if self.nodes.by_node:
+            self.inner.settle(forward_backward)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -384,9 +404,15 @@ class Outer:
     def summary(self) -> dict[str, Any]:
         mode = self.config.mode if self.choice is None else f"auto: {self.choice['mode']}"
         return {"mode": mode, "inner_steps": self.inner_steps, "warmup_steps": self.config.warmup_steps,
-                "fragments": len(self.groups),
+                "fragments": len(self.groups), "inner_scope": self.config.inner_scope,
+                "ranks_per_node": self.nodes.ranks_per_node,
                 "outer_steps": self.outer_steps, "codec": self.config.codec, "weighting": self.config.weighting,
                 "outer_lr": self.lr, "outer_momentum": self.momentum, "auto": self.choice}
+
+
+def _plus(a: StepStats, b: StepStats) -> StepStats:
+    return StepStats(a.raw_bytes + b.raw_bytes, a.wire_bytes + b.wire_bytes, a.encode_s + b.encode_s,
+                     a.decode_s + b.decode_s, a.buckets + b.buckets)
 
 
 def _done(value: torch.Tensor | None) -> torch.futures.Future[torch.Tensor] | None:

@@ -5,6 +5,8 @@ unequal rounds, and a rank that trained nothing."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 import poise
-from poise.config import SyncConfig
+from poise.balance.weights import loss_weight
+from poise.config import CommConfig, SyncConfig
+from poise.runtime.clock import clock_for
+from poise.sync import Outer
+from poise.sync.nodes import Nodes, make_nodes, piece
 from poise.sync.outer import choose_inner_steps, fragments, launch_step
 from tests.dist.test_session import LENGTHS, Sequences, collate, token_mean_loss
 from tests.harness import run_ranks
@@ -45,7 +51,7 @@ def _train(rank: int, world_size: int, sync: SyncConfig | str, steps: int, *, ba
         opt.load_state_dict(state["optim"])
         session.load_state_dict(state["session"])
     loader = session.dataloader(Sequences(), collate_fn=collate)
-    out: dict = {"params": [], "tokens": [], "bytes": []}
+    out: dict = {"params": [], "tokens": [], "bytes": [], "between": []}
     done = session.steps_done
     for step, (x, y) in session.steps(loader):
         step.backward(token_mean_loss(session.model, x, y))
@@ -53,7 +59,9 @@ def _train(rank: int, world_size: int, sync: SyncConfig | str, steps: int, *, ba
         opt.zero_grad()
         out["tokens"].append(int(LENGTHS[step.indices].sum()))
         step.end()
-        out["bytes"].append(session.last_record.wire_bytes if session.last_record is not None else 0)
+        record = session.last_record
+        out["bytes"].append(record.wire_bytes if record is not None else 0)
+        out["between"].append(record.inter_node_wire_bytes if record is not None else 0)
         out["params"].append(_params(session.model))
         done += 1
         if stop_at is not None and done == stop_at:
@@ -173,6 +181,8 @@ def test_outer_state_resumes_bit_for_bit():
     for rank in range(2):
         for got, want in zip(rest[rank]["params"][-1], whole[rank]["params"][-1], strict=True):
             assert torch.equal(got, want)
+    # the run's last step gives every rank the global model (not mixed into its own)
+    assert all(torch.equal(a, b) for a, b in zip(whole[0]["params"][-1], whole[1]["params"][-1], strict=True))
 
 
 def _resume(rank: int, world_size: int, sync: SyncConfig, states: list[dict]) -> dict:
@@ -251,3 +261,165 @@ def test_auto_decides_alike_on_every_rank_and_says_why():
     choices = [r["summary"]["auto"] for r in results]
     assert choices[0] is not None and choices[0]["mode"] == choices[1]["mode"]
     assert choices[0]["inner_steps"] == choices[1]["inner_steps"] and "synchroniz" in choices[0]["why"]
+
+
+# -- inner_scope = node: a node's ranks train as one replica ---------------------------------
+
+
+def _as_nodes(rank: int, world_size: int, sync: SyncConfig | str, steps: int, per_node: int = 2,
+              capture: bool = False, **kwargs: object) -> dict:
+    """``_train`` with ``per_node`` ranks a node (``LOCAL_WORLD_SIZE``, as ``poise train`` sets it),
+    capturing each rank's parameters just before every outer step if asked."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    captured: list[list[torch.Tensor]] = []
+    original = poise.sync.Outer._launch
+
+    def spy(self, fragment, delay=None):
+        captured.append([p.detach().clone() for p in self.params])
+        return original(self, fragment, delay)
+
+    if capture:
+        poise.sync.Outer._launch = spy
+    try:
+        out = _train(rank, world_size, sync, steps, **kwargs)
+    finally:
+        poise.sync.Outer._launch = original
+    out["captured"], out["start"] = captured, _params(_model())
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_node_scope_trains_each_node_as_one_replica_and_meets_by_node():
+    """2 nodes x 2 ranks, DiLoCo with H = 3, unequal batches (speeds 1:2 in node 0, 3:3 in node
+    1): a node's ranks hold the same parameters after every step; the nodes differ inside a
+    round and all four ranks agree after each outer step, which is DiLoCo's Nesterov step on the
+    nodes' changes weighted by each node's tokens in the round. Inner steps send gradients
+    within the node only; an outer step sends half the model's change between nodes per rank."""
+    sync = SyncConfig(mode="diloco", inner_steps=3, inner_scope="node")
+    results = run_ranks(_as_nodes, world_size=4, timeout_s=120, sync=sync, steps=6, capture=True, balance="cost",
+                        speeds=[1.0, 2.0, 3.0, 3.0], adam=True, lr=0.01)
+    for step in range(6):
+        assert _same(results[0]["params"][step], results[1]["params"][step])
+        assert _same(results[2]["params"][step], results[3]["params"][step])
+    assert not _same(results[0]["params"][1], results[2]["params"][1])
+    for step in (2, 5):
+        assert _same(results[0]["params"][step], results[3]["params"][step])
+    node_tokens = [[sum(sum(r["tokens"][3 * k: 3 * k + 3]) for r in results[2 * n: 2 * n + 2]) for n in range(2)]
+                   for k in range(2)]
+    weights = [[t / sum(ts) for t in ts] for ts in node_tokens]
+    assert weights[0][1] > 0.55  # node 1 trained more of the round's tokens
+    expected = _outer_by_hand([results[0]["start"]], [results[0]["captured"], results[2]["captured"]], weights,
+                              lr=0.7, mu=0.9)
+    for got, want in zip(results[3]["params"][-1], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    piece_bytes = 4 * -(-sum(p.numel() for p in _model().parameters()) // 2)
+    r0 = results[0]
+    assert r0["bytes"][0] > 0 and r0["between"][0] == 0 and r0["between"][1] == 0
+    assert r0["between"][2] == piece_bytes and r0["between"][5] == piece_bytes
+    assert r0["summary"]["inner_scope"] == "node" and r0["summary"]["ranks_per_node"] == 2
+
+
+def _node_gradients(rank: int, world_size: int) -> dict:
+    """Outer driven by hand over two steps: a warm-up step (the world's loss weights, every step
+    synchronized) and an inner step (the node's weights, from ``loss_ranks``), each rank with its
+    own number of samples; the gradients after each backward and the exact ones of the batches
+    of the ranks the weight is a share of, computed in one process."""
+    config = SyncConfig(mode="local_sgd", inner_scope="node", inner_steps=2, warmup_steps=1)
+    outer = Outer(_model(), CommConfig(), config, clock=clock_for(torch.device("cpu")), backend="gloo",
+                  compression_start=0, world_size=world_size, last_step=4, ranks_per_node=2)
+    sizes = [3, 7, 2, 12]  # samples per rank: unequal within each node and between the nodes
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(n, 4, generator=gen), torch.randn(n, 1, generator=gen)) for n in sizes]
+    opt = torch.optim.SGD(outer.model.parameters(), lr=0.1)
+    out: dict = {"grads": [], "exact": [], "groups": []}
+    for step in range(2):
+        ranks = outer.loss_ranks
+        group = list(range(world_size)) if ranks is None else list(ranks)
+        weight = loss_weight([np.arange(sizes[r]) for r in group], group.index(rank))
+        reference = _model()
+        reference.load_state_dict(outer.model.module.state_dict())
+        x = torch.cat([data[r][0] for r in group])
+        y = torch.cat([data[r][1] for r in group])
+        nn.functional.mse_loss(reference(x), y).backward()
+        outer.begin_step(step)
+        outer.micro_batch(True)
+        x, y = data[rank]
+        loss = nn.functional.mse_loss(outer.model(x), y) * weight
+        outer.backward(loss.backward)
+        out["grads"].append([p.grad.clone() for p in outer.params])
+        out["exact"].append([p.grad.clone() for p in reference.parameters()])
+        out["groups"].append(group)
+        opt.step()
+        opt.zero_grad()
+        outer.end_step(step, tokens=float(sizes[rank]), optimizer_step=True)
+    return out
+
+
+def test_node_scope_gradients_are_the_exact_token_weighted_means():
+    """With the weights the session gives (the world's during the warm-up, the node's share of its
+    terms between outer steps: ``loss_ranks``), the warm-up step's gradient is the world's exact
+    one on every rank (the node's all-reduce, then the nodes' average), and an inner step's is
+    the exact mean over the node's batches: nodes of consecutive ranks."""
+    results = run_ranks(_node_gradients, world_size=4, timeout_s=120)
+    assert results[0]["groups"] == [[0, 1, 2, 3], [0, 1]] and results[3]["groups"][1] == [2, 3]
+    for r in results:
+        for step in range(2):
+            for got, want in zip(r["grads"][step], r["exact"][step], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert _same(results[0]["grads"][1], results[1]["grads"][1])
+    assert not _same(results[0]["grads"][1], results[2]["grads"][1])
+
+
+def _ddp_unequal(rank: int, world_size: int) -> dict:
+    return _train(rank, world_size, "step", 5, balance="cost", speeds=[1.0, 3.0])
+
+
+def test_node_scope_on_one_node_is_ddp_at_every_step():
+    """One node of 2 ranks with unequal batches: local SGD by node with H = 2 is plain DDP, bit for
+    bit, at every step (the node's all-reduce of the world-weighted losses; the outer step has no
+    one to meet and keeps the parameters as they are)."""
+    node = run_ranks(_as_nodes, world_size=2, timeout_s=90, sync=SyncConfig(mode="local_sgd", inner_steps=2,
+                                                                            inner_scope="node"),
+                     steps=5, balance="cost", speeds=[1.0, 3.0])
+    ddp = run_ranks(_ddp_unequal, world_size=2, timeout_s=90)
+    assert node[0]["tokens"] != node[1]["tokens"]
+    for rank in range(2):
+        for got, want in zip(node[rank]["params"], ddp[rank]["params"], strict=True):
+            assert _same(got, want)
+    assert node[0]["summary"]["outer_steps"] == 3 and sum(node[0]["between"]) == 0
+
+
+def test_node_scope_streaming_with_int8_resumes_bit_for_bit():
+    """Streaming DiLoCo by node, int8 outer changes: stopped inside a round (a fragment's result in
+    flight) and resumed in fresh sessions, every rank's parameters equal the uninterrupted run's
+    bit for bit; a node's ranks agree inside a round, and the run's last step leaves all four
+    alike (the global model, not mixed into each node's own)."""
+    sync = SyncConfig(mode="streaming", inner_steps=4, fragments=2, delay_steps=1, codec="int8", inner_scope="node")
+    whole = run_ranks(_as_nodes, world_size=4, timeout_s=120, sync=sync, steps=6, adam=True, lr=0.01)
+    first = run_ranks(_as_nodes, world_size=4, timeout_s=120, sync=sync, steps=6, adam=True, lr=0.01, stop_at=4)
+    rest = run_ranks(_node_resume, world_size=4, timeout_s=120, sync=sync, states=[r["state"] for r in first])
+    for rank in range(4):
+        assert _same(rest[rank]["params"][-1], whole[rank]["params"][-1])
+        assert _same(whole[rank]["params"][-1], whole[0]["params"][-1])
+    assert _same(whole[0]["params"][4], whole[1]["params"][4]) and _same(whole[2]["params"][4], whole[3]["params"][4])
+    assert not _same(whole[0]["params"][4], whole[2]["params"][4])
+    assert whole[0]["summary"]["outer_steps"] == 4  # fragment 0 after step 3, 1 after step 5, both at the last
+
+
+def _node_resume(rank: int, world_size: int, sync: SyncConfig, states: list[dict]) -> dict:
+    return _as_nodes(rank, world_size, sync, 6, adam=True, lr=0.01, state=states[rank])
+
+
+def test_node_layout_is_refused_when_it_does_not_divide_the_world_and_pieces_cover_the_change():
+    with pytest.raises(ValueError, match="3 ranks per node") as info:
+        make_nodes("node", 0, 4, 3)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="inner_scope='cluster' is unknown"):
+        SyncConfig(mode="diloco", inner_scope="cluster")
+    flat = torch.arange(5.0)
+    pieces = [piece(flat, Nodes("node", 2, 2, 0, j)) for j in range(2)]
+    assert torch.equal(torch.cat(pieces), torch.tensor([0.0, 1, 2, 3, 4, 0]))
+    assert piece(flat, Nodes("rank", 2, 2, 0, 1)) is flat  # rank scope: every rank sends all of it

@@ -14,7 +14,8 @@ is trained by each run of ``--runs``:
 - ``fsdp-half-speed``: FSDP2 with worker 1 at half speed, poise's default balancing (whole-run
   balance is the figure);
 - ``dp-pp``: ``poise pipeline`` with one stage per worker of a node and one replica per node
-  (DDP over the replicas, between the nodes).
+  (DDP over the replicas, between the nodes), each replica's batch as large as the others' whole
+  node's, so that every run trains the same samples per step.
 
 Per run: training seconds to the target (evaluations left out; linear between evaluations; "not
 reached"), speed-up against ``ddp``, final eval loss, each worker's peak resident memory (MB,
@@ -96,6 +97,9 @@ def job(label: str, args: argparse.Namespace, model: Sequence[str], target: floa
              f"{args.nodes}:{args.procs_per_node}", "--link", args.link, "--train.eval_every", str(args.eval_every)]
     if command == "pipeline":  # a stage per worker of a node, a replica per node
         flags = [f for f in flags if f not in ("--task", "code-lm")]  # the pipeline trains code-lm only
+        if "--batch-size" in flags:  # per replica: a step trains as many samples as the others' steps
+            at = flags.index("--batch-size") + 1
+            flags[at] = str(int(flags[at]) * args.procs_per_node)
         flags += ["--stages", str(args.procs_per_node), "--dp", str(args.nodes)]
     flags += extra
     if label != "ddp":  # the reference's schedule; stop once its loss is reached

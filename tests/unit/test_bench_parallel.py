@@ -54,8 +54,10 @@ def test_other_runs_follow_ddps_schedule_and_stop_at_its_loss() -> None:
 
 
 def test_dp_pp_is_a_pipeline_of_a_stage_per_worker_and_a_replica_per_node() -> None:
-    command, flags = parallel.job("dp-pp", _args(nodes=2, procs_per_node=2), ["--task", "code-lm", "--x", "1"], 3.0)
+    command, flags = parallel.job("dp-pp", _args(nodes=2, procs_per_node=2),
+                                  ["--task", "code-lm", "--batch-size", "16"], 3.0)
     assert command == "pipeline" and "--task" not in flags
+    assert flags[flags.index("--batch-size") + 1] == "32"  # a replica's batch: a node's worth of samples
     assert flags[flags.index("--stages") + 1] == "2" and flags[flags.index("--dp") + 1] == "2"
 
 

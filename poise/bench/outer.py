@@ -17,7 +17,11 @@ d_model 512, 6 layers, 16 sequences of 32 bytes per rank per step: ``network.py`
   static sharding, every outer step waiting for the slowest worker), which computes the same
   parameters as torchft's (``tests/dist/test_sync_baselines.py``);
 - ``diloco``, ``streaming-int8`` (Streaming DiLoCo with int8 outer deltas) and ``auto`` (poise's
-  choice between per-step and outer-step synchronization, from measurements).
+  choice between per-step and outer-step synchronization, from measurements);
+- ``local-sgd-node``, ``diloco-node``, ``streaming-int8-node``: the same with
+  ``sync.inner_scope=node`` (each node's workers one replica, gradients all-reduced every step
+  within the node, the outer step between nodes only: torch's post-local SGD layout), not in
+  the default ``--runs``.
 
 Each at every link of ``--links`` (rates such as ``1gbit``, and ``floor``), and at each link of
 ``--slow-links`` once more with worker 1 at half speed (``--rank-speed 1:0.5``). The floor is
@@ -79,6 +83,9 @@ RUNS: dict[str, tuple[str, ...]] = {
     "streaming-int8": ("--sync", "streaming", "--sync.codec", "int8", "--sync.fragments", "5", *INNER, *DYNAMIC),
     "auto": ("--sync", "auto", *DYNAMIC),
 }
+# the outer runs again with a node's workers as one replica (DDP within the node every step)
+NODE = ("--sync.inner_scope", "node")
+RUNS |= {f"{label}-node": (*RUNS[label], *NODE) for label in ("local-sgd", "diloco", "streaming-int8")}
 DEFAULT_RUNS = ("ddp", "powersgd-early", "torch-localsgd", "torchft-diloco", "local-sgd", "diloco",
                 "streaming-int8", "auto")
 FLOOR = "floor"

@@ -4,11 +4,13 @@ table from synthetic reports (no job runs)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
 from poise.bench import outer
 from poise.cli import main
+from poise.cli.flags import add_config_flags, resolve
 
 
 def _args(**changes: object) -> argparse.Namespace:
@@ -134,3 +136,23 @@ def test_the_equivalent_stands_in_for_torchft_and_the_table_says_so(capsys: pyte
     shown = capsys.readouterr().out
     assert "vs diloco-as-torchft" in shown and "torchft's behaviour" in shown
     assert "half speed" in shown and "not reached" in shown
+
+
+@pytest.mark.parametrize(("label", "mode", "codec"), [("local-sgd-node", "local_sgd", "none"),
+                                                      ("diloco-node", "diloco", "none"),
+                                                      ("streaming-int8-node", "streaming", "int8")])
+def test_node_runs_are_their_rank_runs_with_a_node_as_one_replica(label: str, mode: str, codec: str) -> None:
+    """Each ``-node`` run resolves, through ``poise train``'s own flags, to its rank-scope run's
+    settings with ``sync.inner_scope=node``, and ``--runs`` accepts it."""
+    plan = outer.Plan("2:2", 200, 0.25, 10, (0,), 60.0)
+    configs = {}
+    for run in (label, label.removesuffix("-node")):
+        parser = argparse.ArgumentParser()
+        add_config_flags(parser)
+        configs[run] = resolve(parser.parse_args(outer.job_flags(run, "1gbit", False, 0, outer.realistic(), plan, 3.0)))
+    node, rank = configs[label], configs[label.removesuffix("-node")]
+    assert (node.sync.mode, node.sync.codec, node.sync.inner_steps) == (mode, codec, 5)
+    assert node.sync.inner_scope == "node" and rank.sync.inner_scope == "rank"
+    assert dataclasses.replace(node.sync, inner_scope="rank") == rank.sync and node.balance == rank.balance
+    _variants, labels, _plan = outer.parse(_args(runs=f"ddp,{label}"))
+    assert labels == ["ddp", label] and label not in outer.DEFAULT_RUNS

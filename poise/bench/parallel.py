@@ -11,8 +11,8 @@ is trained by each run of ``--runs``:
 - ``hsdp``: FSDP2's own HSDP, sharded inside a node and replicated across nodes;
 - ``hsdp-int8``, ``hsdp-powersgd``: HSDP with poise's codec on the all-reduce between the nodes
   (int8 with error feedback; PowerSGD rank 4 from step 5), the reduce-scatter inside a node exact;
-- ``fsdp-half-speed``: FSDP2 with worker 1 at half speed, poise's default balancing (whole-run
-  balance is the figure);
+- ``fsdp-half-speed``: FSDP2 with worker 1 at half speed and poise's speed-aware balancing
+  (``--balance dynamic`` at its default settings; whole-run balance is the figure);
 - ``dp-pp``: ``poise pipeline`` with one stage per worker of a node and one replica per node
   (DDP over the replicas, between the nodes), each replica's batch as large as the others' whole
   node's, so that every run trains the same samples per step.
@@ -44,7 +44,7 @@ RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
     "hsdp": ("train", ("--parallel", "hsdp")),
     "hsdp-int8": ("train", ("--parallel", "hsdp", "--codec", "int8", "--comm.start_step", "5")),
     "hsdp-powersgd": ("train", ("--parallel", "hsdp", "--codec", "powersgd", "--comm.start_step", "5")),
-    "fsdp-half-speed": ("train", ("--parallel", "fsdp", "--rank-speed", "1:0.5")),
+    "fsdp-half-speed": ("train", ("--parallel", "fsdp", "--rank-speed", "1:0.5", "--balance", "dynamic")),
     "dp-pp": ("pipeline", ()),
 }
 DEFAULT_RUNS = tuple(RUNS)

@@ -36,8 +36,9 @@ class SyncConfig:
         "only, each rank sending 1/LOCAL_WORLD_SIZE of it (post-local SGD's layout: fewer, larger-batch replicas "
         "drift apart less; a node sends one model's change per outer step, not one per rank)")
     warmup_steps: int = setting(
-        0, "optimizer steps synchronized every step (DDP's all-reduce, [comm]) before the first outer round: the "
-        "early steps, where the ranks' models would drift apart most (post-local SGD's warm-up)")
+        0, "optimizer steps synchronized every step (DDP's all-reduce, [comm]; inner_scope=node: the node's, then "
+        "an uncompressed average between nodes) before the first outer round: the early steps, where the ranks' "
+        "models would drift apart most (post-local SGD's warm-up)")
     outer_lr: float = setting(0.7, "diloco, streaming: the outer SGD's learning rate (local_sgd: 1)")
     outer_momentum: float = setting(0.9, "diloco, streaming: the outer SGD's Nesterov momentum (0 = none)")
     fragments: int = setting(4, "streaming: the model's parts, synchronized in turn, one every inner_steps/fragments")
@@ -84,6 +85,9 @@ class SyncConfig:
             raise ValueError(f"sync.topk_ratio={self.topk_ratio!r} is outside (0, 1]")
         if self.inner_scope not in INNER_SCOPES:
             raise ValueError(f"sync.inner_scope={self.inner_scope!r} is unknown: allowed are {', '.join(INNER_SCOPES)}")
+        if self.inner_scope == "node" and self.mode not in (*OUTER_MODES, "auto"):
+            raise ValueError(f"sync.inner_scope='node' is for poise's outer modes ({', '.join(OUTER_MODES)}, auto), "
+                             f"not sync.mode={self.mode!r}")
         if self.weighting not in ("tokens", "equal"):
             raise ValueError(f"sync.weighting={self.weighting!r} is unknown: allowed are tokens, equal")
         if not 0.0 < self.auto_max_overhead <= 1.0:

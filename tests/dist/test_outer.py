@@ -419,6 +419,8 @@ def test_node_layout_is_refused_when_it_does_not_divide_the_world_and_pieces_cov
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="inner_scope='cluster' is unknown"):
         SyncConfig(mode="diloco", inner_scope="cluster")
+    with pytest.raises(ValueError, match=r"not sync\.mode='step'"):
+        SyncConfig(mode="step", inner_scope="node")
     flat = torch.arange(5.0)
     pieces = [piece(flat, Nodes("node", 2, 2, 0, j)) for j in range(2)]
     assert torch.equal(torch.cat(pieces), torch.tensor([0.0, 1, 2, 3, 4, 0]))

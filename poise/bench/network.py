@@ -295,7 +295,7 @@ def _row(link: str, label: str, report: dict[str, Any]) -> dict[str, Any]:
         # real tokens per step over the median step: the steady rate, past the warm-up steps
         "tokens_per_s": report["loss_curve"][-1][0] / report["steps"] / report["median_step_s"],
         "wire_mb_per_step": report["comm_wire_bytes_per_step"] / 1e6,
-        # all node leaders together, between nodes (hierarchical runs with a codec; else 0)
+        # all ranks together, bytes given to collectives that span nodes (hierarchical: the leaders')
         "inter_node_mb_per_step": report["comm_inter_node_wire_bytes_per_step"] / 1e6,
         "comm_exposed_s": report["comm_exposed_s_per_step"], "comm_overlap": report["comm_overlap"],
         "final_eval_loss": report["eval_loss"], "eval_accuracy": report["eval_accuracy"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +70,10 @@ class AllReduce:
         self._expected = False  # inside backward(): reductions are the step's
         self.model.register_comm_hook(self.state, _refuse_outside(hook, lambda: self._expected))
         self._no_sync = NoSync(self.model)
+        # the backend's own all-reduce over ranks on several nodes: every byte crosses a node
+        # link somewhere (only the hierarchical and local-first reducers split the count)
+        self._all_inter_node = (config.collective == "flat" and not config.local_first
+                                and spans_nodes(dist.get_process_group_ranks(process_group or dist.group.WORLD)))
 
     def _ddp(self, model: nn.Module, backend: str, group: dist.ProcessGroup | None) -> DistributedDataParallel:
         comm_builder.check_backend(self.config, backend)
@@ -120,7 +125,8 @@ class AllReduce:
         return self.state.between_steps()
 
     def traffic(self) -> tuple[StepStats, StepStats]:
-        return self.state.step_stats(), self.state.inter_node_stats()
+        step = self.state.step_stats()
+        return step, step if self._all_inter_node else self.state.inter_node_stats()
 
     def settle(self, forward_backward: Callable[[], None]) -> None:
         """DDP's bucket layout settled before residuals are restored (:mod:`poise.comm.settle`)."""
@@ -160,6 +166,13 @@ class NoSync:
         elif not last and self._context is None:
             self._context = self.model.no_sync()
             self._context.__enter__()
+
+
+def spans_nodes(ranks: Sequence[int]) -> bool:
+    """Whether ``ranks`` are on more than one node, from torchrun's numbering (ranks node after
+    node, ``LOCAL_WORLD_SIZE`` per node; without it, one node). No collective."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return per_node > 0 and len({r // per_node for r in ranks}) > 1
 
 
 def _refuse_outside(hook: CommHook, expected: Callable[[], bool]) -> CommHook:

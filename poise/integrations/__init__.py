@@ -1,9 +1,10 @@
 """Adapters that attach :class:`poise.Session` to training frameworks.
 
-- :mod:`poise.integrations.lightning`: ``PoiseStrategy``, a PyTorch Lightning DDP strategy
+- :mod:`poise.integrations.lightning`: ``PoiseStrategy``, a PyTorch Lightning DDP strategy, and
+  ``PoiseFSDPStrategy``, the same over Lightning's FSDP2 ``ModelParallelStrategy``
   (``pip install 'poise[lightning]'``);
 - :mod:`poise.integrations.accelerate`: ``attach(accelerator, model, ...)``, a session bound
-  to a Hugging Face Accelerate ``Accelerator`` (``pip install 'poise[accelerate]'``).
+  to a Hugging Face Accelerate ``Accelerator``, on DDP or FSDP2 (``pip install 'poise[accelerate]'``).
 
 Nothing is imported here: importing poise never needs either framework, and importing an
 adapter without its framework fails with one line naming the extra to install.

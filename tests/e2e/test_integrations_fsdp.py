@@ -143,7 +143,7 @@ def test_accelerate_refusals(tmp_path):
 def test_lightning_fsdp2(tmp_path, accumulate, session_run):
     """PoiseFSDPStrategy on the model configure_model shards; with accumulation the run goes
     into a second epoch (7 micro-batches an epoch, the last of each one stepping alone)."""
-    _launch("lightning_fsdp_train.py", tmp_path, "--accumulate", str(accumulate))
+    _launch("lightning_fsdp_train.py", tmp_path, "--accumulate", str(accumulate), "--save-every", "3")
     saved = _check_run(tmp_path, accumulate, rtol=1e-5, atol=1e-6)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["lightning"]["global_step"] == 5 and report["sync"]["mode"] == "fsdp"
@@ -154,8 +154,17 @@ def test_lightning_fsdp2(tmp_path, accumulate, session_run):
     else:
         assert report["steps"] == 9 and report["lightning"]["epochs"] == 2
         assert saved[0]["syncs"] == [False, True] * 3 + [True] + [False, True]
-    checkpoint = torch.load(next((tmp_path / "checkpoints").glob("*.ckpt")), weights_only=False)
-    assert checkpoint["poise"]["world_size"] == 2 and checkpoint["poise"]["steps_done"] == report["steps"]
+    # Lightning's sharded checkpoint (a folder: each rank's shard and meta.pt) holds rank 0's session state
+    meta = torch.load(tmp_path / "every" / "epoch=0-step=3.ckpt" / "meta.pt", weights_only=False)
+    assert meta["poise"]["world_size"] == 2 and meta["poise"]["steps_done"] == 3 * accumulate
+    if accumulate == 1:  # continued from step 3 (mid-epoch): the same batches and parameters, bit for bit
+        resumed = tmp_path / "resumed"
+        _launch("lightning_fsdp_train.py", resumed, "--resume", str(tmp_path / "every" / "epoch=0-step=3.ckpt"))
+        again = _saved(resumed)
+        for rank in (0, 1):
+            assert again[rank]["batches"] == saved[rank]["batches"][3:]
+        for name, value in saved[0]["params"].items():
+            assert torch.equal(again[0]["params"][name], value), name
 
 
 def _sharded_model_refusals(rank: int, world_size: int) -> dict[str, str]:

@@ -30,6 +30,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--comm", default="none")
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--resume", type=Path, default=None, help="a Lightning checkpoint to continue from")
+    parser.add_argument("--save-every", type=int, default=0, help="Lightning: a checkpoint every N optimizer steps")
     return parser.parse_args()
 
 

@@ -12,6 +12,7 @@ import fsdp_toy
 import lightning.pytorch as pl
 import torch
 import toy
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from poise.integrations.lightning import PoiseFSDPStrategy
@@ -51,12 +52,16 @@ def main() -> None:
     lengths, terms = toy.lengths_and_terms(seqs)
     dataset = toy.Sequences(seqs)
     strategy = PoiseFSDPStrategy(lengths=lengths, loss_terms=terms, batch_size=args.batch_size, balance="cost",
-                                 comm=args.comm, out_dir=args.out, save_distributed_checkpoint=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps,
+                                 comm=args.comm, out_dir=args.out)
+    callbacks = []
+    if args.save_every:  # mid-epoch checkpoints, every one kept
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "every", every_n_train_steps=args.save_every,
+                                         save_top_k=-1))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, callbacks=callbacks,
                          accumulate_grad_batches=args.accumulate, num_sanity_val_steps=0, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=args.out)
     module = ToyModule(dataset)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=args.resume)
     fsdp_toy.save_run(args.out, trainer.global_rank, module.batches, module.syncs, module.net,
                       model_type=type(strategy.session.model).__name__, global_step=trainer.global_step)
 

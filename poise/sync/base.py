@@ -4,7 +4,7 @@ Every way poise synchronizes ranks is an implementation of :class:`Sync`, and th
 (:mod:`poise.run.step`) calls it at fixed points only, never by kind:
 
 1. The strategy's constructor wraps the model once, when the session is built: ``model`` is
-   what the user trains (DDP with a comm hook today; FSDP2's ``fully_shard`` module next).
+   what the user trains (DDP with a comm hook; a ``fully_shard`` module as it is).
 2. :meth:`Sync.begin_step` when a step opens, before its first forward: per-step counters.
 3. :meth:`Sync.micro_batch` before each micro-batch's forward: ``last=True`` when the
    backward that follows must reduce the gradient, False when it only accumulates
@@ -24,9 +24,10 @@ traffic (:meth:`traffic`) complete it. Two flags tell the session how to treat i
 rank's share of the step's batch) and ``replicas_agree`` (False: the ranks' parameters and
 optimizer states differ between outer steps, so a checkpoint keeps each rank's own).
 Implementations: :class:`poise.sync.AllReduce` (DDP plus a codec over a collective, ``auto``
-included), :class:`poise.sync.Deadline` (deadline steps, composed over an ``AllReduce``) and
+included), :class:`poise.sync.Deadline` (deadline steps, composed over an ``AllReduce``),
 :class:`poise.sync.Outer` (local SGD, DiLoCo, Streaming DiLoCo, composed over DDP's
-``no_sync``). ``docs/design.md`` draws the call points.
+``no_sync``) and :class:`poise.sync.Sharded` (FSDP2 and HSDP: codecs on FSDP2's reduce-scatter
+and on the all-reduce between nodes). ``docs/design.md`` draws the call points.
 """
 
 from __future__ import annotations

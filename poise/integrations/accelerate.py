@@ -45,8 +45,9 @@ FSDP2 (a model sharded with ``fully_shard``; the session runs :class:`poise.sync
       optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters()))
       session = attach(accelerator, model, lengths=lengths, batch_size=16, out_dir="runs/a")
 
-  (``accelerator.prepare(model)`` refuses a sharded model outside its FSDP type: "Your model
-  contains DTensor parameters, which is incompatible with DDP".)
+  (``accelerator.prepare(model)`` cannot take a sharded model outside its FSDP type: on
+  MULTI_CPU it wraps it in DDP, whose first broadcast fails with "Operator
+  c10d.broadcast_.default does not have a sharding strategy registered".)
 
 FSDP1 (``fsdp_version=1``), DeepSpeed and Megatron-LM are refused.
 """

@@ -44,7 +44,6 @@ from torch.utils.data import DataLoader
 
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner
-from poise.balance.weights import loss_weight
 from poise.comm.trial import CodecTrial
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, EmulateConfig, MetricsConfig, StragglerConfig
 from poise.config.sync import SyncConfig
@@ -252,7 +251,7 @@ class Session:
         if sync is None:
             sync = (self.steps_done + 1) % self.accum_steps == 0
         # an outer strategy trains each rank on its own mean and weighs the ranks at the outer step
-        weight = 1.0 if self.sync.local_loss else loss_weight(batches, self.rank, self.loss_terms)
+        weight = self.sync.loss_scope.weight(batches, self.rank, self.loss_terms)
         step = Step(self._env, index=self.steps_done, epoch=epoch, position=position, indices=batches[self.rank],
                     weight=weight / self.accum_steps, sync=sync)
         step._open(data_s=self._recorder.data_s(handed_s))

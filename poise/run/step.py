@@ -176,12 +176,14 @@ class Step:
         if not mine >= 0:
             raise ValueError(f"step.backward(num_items={mine!r}): give the count of loss terms in the batch, >= 0")
         self._items = mine
-        if self.env.sync.local_loss:  # each rank's own mean; the outer step weighs the ranks by terms
+        scope = self.env.sync.loss_scope
+        if scope.own:  # each rank's own mean; the outer step weighs the ranks by terms
             return self.weight
         total = torch.tensor([mine], dtype=torch.float64, device=self.env.device)
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=scope.group)
         every = float(total.item())
-        self.weight = (self.env.world_size * mine / every if every > 0 else 1.0) / self.env.accum_steps
+        ranks = self.env.world_size if scope.ranks is None else len(scope.ranks)
+        self.weight = (ranks * mine / every if every > 0 else 1.0) / self.env.accum_steps
         return self.weight
 
     def end(self) -> None:

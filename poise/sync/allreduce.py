@@ -28,6 +28,7 @@ from poise.comm.state import StepStats
 from poise.comm.trial import CodecTrial
 from poise.config import CommConfig
 from poise.runtime.clock import Clock
+from poise.sync.base import LossScope
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class AllReduce:
             not suit the codec.
     """
 
-    local_loss = False
+    loss_scope = LossScope()  # every rank: DDP's (FSDP2's) mean over the world
     replicas_agree = True
 
     def __init__(self, model: nn.Module, config: CommConfig, *, clock: Clock, backend: str,

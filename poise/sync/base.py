@@ -20,8 +20,9 @@ Every way poise synchronizes ranks is an implementation of :class:`Sync`, and th
 
 State for checkpoints (:meth:`state_dict`, and the part every rank shares) and the step's
 traffic (:meth:`traffic`) complete it. Two flags tell the session how to treat it:
-``local_loss`` (each rank trains on its own mean loss, so the step does not weight it by the
-rank's share of the step's batch) and ``replicas_agree`` (False: the ranks' parameters and
+``loss_scope`` (the ranks among whose batches the step weights this rank's loss: every
+rank's for DDP; the node's when DDP runs within a node; the rank's own, i.e. its plain mean,
+when an outer step weighs the ranks: :class:`LossScope`) and ``replicas_agree`` (False: the ranks' parameters and
 optimizer states differ between outer steps, so a checkpoint keeps each rank's own).
 Implementations: :class:`poise.sync.AllReduce` (DDP plus a codec over a collective, ``auto``
 included), :class:`poise.sync.Deadline` (deadline steps, composed over an ``AllReduce``),
@@ -32,13 +33,53 @@ and on the all-reduce between nodes). ``docs/design.md`` draws the call points.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+import torch.distributed as dist
 from torch import nn
 
+from poise.balance.weights import loss_weight
 from poise.comm.probe import BucketProbe
 from poise.comm.state import StepStats
+
+
+@dataclass(frozen=True)
+class LossScope:
+    """The ranks among whose batches a rank's loss is weighted in a step, and their group.
+
+    The step multiplies a rank's mean loss by ``n × its share of the scope's loss terms`` (n: the
+    scope's ranks), because the reduction that follows averages over those n ranks: the result is
+    the exact mean gradient over every sample of the scope, however unequal the batches.
+
+    Attributes:
+        ranks: consecutive ranks (None: every rank of the world, DDP's all-reduce); a range
+            of this rank alone means its own mean loss, unweighted (an outer step weighs the
+            ranks by their tokens later).
+        group: the process group of ``ranks``, to count loss terms over it (None: the world's;
+            unused for one rank).
+    """
+
+    ranks: range | None = None
+    group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def alone(cls, rank: int) -> LossScope:
+        """This rank's own mean loss, unweighted."""
+        return cls(range(rank, rank + 1))
+
+    @property
+    def own(self) -> bool:
+        """Whether the scope is one rank (its plain mean; nothing to weigh or count)."""
+        return self.ranks is not None and len(self.ranks) == 1
+
+    def weight(self, batches: Sequence[np.ndarray], rank: int, loss_terms: np.ndarray | None) -> float:
+        """``rank``'s loss weight in a step of ``batches`` (every rank's sample indices)."""
+        if self.ranks is None:
+            return loss_weight(batches, rank, loss_terms)
+        return loss_weight([batches[r] for r in self.ranks], rank - self.ranks.start, loss_terms)
 
 
 @runtime_checkable
@@ -49,13 +90,13 @@ class Sync(Protocol):
         model: the model as the constructor wrapped it (what the user's forward calls).
         probe: marks of when each gradient bucket was handed over and reduced this step
             (the split of backward into compute and communication).
-        local_loss: each rank's loss is its own batch's mean, unweighted (see module doc).
+        loss_scope: the ranks this step's loss weight is a share of (see :class:`LossScope`).
         replicas_agree: every rank holds the same parameters after each optimizer step.
     """
 
     model: nn.Module
     probe: BucketProbe
-    local_loss: bool
+    loss_scope: LossScope
     replicas_agree: bool
 
     def begin_step(self, index: int) -> None:
@@ -98,4 +139,4 @@ class Sync(Protocol):
         """What the report says of the strategy (mode, outer steps, an automatic choice and why)."""
 
 
-__all__ = ["Sync"]
+__all__ = ["LossScope", "Sync"]

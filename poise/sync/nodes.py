@@ -13,7 +13,8 @@ inter-node link per outer step, where ``inner_scope=rank`` puts one per rank.
 Loss weighting. DDP inside the node averages the ranks' gradients, so the step must weight
 rank r's mean loss by ``L n_r / N_node`` (its share of the node's loss terms) for the node's
 gradient to be the exact token-weighted mean over the node's batches; :attr:`Nodes.node_ranks`
-names the ranks to compute that share over. With the world's weights ``W n_r / N`` instead,
+names the ranks to compute that share over (``Outer.loss_scope``, which the session's step
+reads). With the world's weights ``W n_r / N`` instead,
 the node's gradient is that mean times ``K N_node / N``: exact with one node (then every step
 is DDP's) or with nodes of equal terms, and a plain average of the nodes' gradients is the
 world's exact gradient (:func:`average_across_nodes`, for steps that synchronize in full).

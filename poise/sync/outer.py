@@ -62,6 +62,7 @@ from poise.comm.trial import CodecTrial
 from poise.config import CommConfig, SyncConfig
 from poise.runtime.clock import Clock
 from poise.sync.allreduce import AllReduce, HookWrapper
+from poise.sync.base import LossScope
 from poise.sync.fragments import fragments, launch_step
 from poise.sync.nodes import assemble, average_across_nodes, make_nodes, piece
 
@@ -164,16 +165,16 @@ class Outer:
         return self.per_step or self.warmup_left > 0
 
     @property
-    def local_loss(self) -> bool:
-        """Each rank trains on its own mean loss, except while every step synchronizes, and
-        except under ``inner_scope=node``: there DDP averages the node's weighted losses."""
-        return not self.every_step and not self.nodes.by_node
-
-    @property
-    def loss_ranks(self) -> range | None:
-        """``inner_scope=node`` between outer steps: the ranks whose batches this step's loss
-        weight is a share of (``L n_r / N_node``, :mod:`poise.sync.nodes`); None: the world's."""
-        return self.nodes.node_ranks if self.nodes.by_node and not self.every_step else None
+    def loss_scope(self) -> LossScope:
+        """Each rank trains on its own mean loss between outer steps (the outer step weighs the
+        ranks by their tokens); under ``inner_scope=node`` the node's ranks (DDP averages the
+        node's weighted losses: ``L n_r / N_node``, :mod:`poise.sync.nodes`); while every step
+        synchronizes, every rank's (DDP's)."""
+        if self.every_step:
+            return LossScope()
+        if self.nodes.by_node:
+            return LossScope(self.nodes.node_ranks, self.nodes.node_group)
+        return LossScope.alone(dist.get_rank())
 
     @property
     def trial(self) -> CodecTrial | None:

@@ -61,6 +61,7 @@ from poise.comm.state import StepStats
 from poise.comm.topology import default_group_timeout
 from poise.config import CommConfig
 from poise.runtime.clock import Clock
+from poise.sync.base import LossScope
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class Sharded:
             cannot run (naming what can).
     """
 
-    local_loss = False
+    loss_scope = LossScope()  # every rank: DDP's (FSDP2's) mean over the world
     replicas_agree = True  # the shards make one model, which every rank's optimizer step keeps alike
     trial = None  # comm.codec=auto is refused here
 

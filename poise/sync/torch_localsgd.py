@@ -19,7 +19,7 @@ rather than lazily on DDP's autograd thread in the middle of a backward. On the 
 cluster (``--cluster 2:2``) the subgroups are the two nodes: after the warm-up, gradients
 cross only each node's own loopback and the parameter average is all that crosses nodes.
 
-Loss weighting (``local_loss = True``): each rank trains on its own batch's mean loss, as
+Loss weighting (``loss_scope``: the rank alone): each rank trains on its own batch's mean loss, as
 torch's users do. poise's exact weights (``world × share``) assume an average over the world;
 inside a subgroup they would scale a node's gradient by its share of the step's tokens, and the
 averager averages parameters equally whatever each rank trained. With equal batches (the
@@ -55,6 +55,7 @@ from poise.config import CommConfig
 from poise.config.sync import SyncConfig
 from poise.runtime.clock import Clock
 from poise.sync.allreduce import HookWrapper, NoSync
+from poise.sync.base import LossScope
 
 
 class _LocalSGDState(CountingState):
@@ -110,7 +111,7 @@ class TorchLocalSGD:
             world that the subgroups do not divide.
     """
 
-    local_loss = True
+    loss_scope: LossScope
     replicas_agree = False
     trial = None  # no comm.codec=auto trial: the recorder reads it
 
@@ -128,6 +129,7 @@ class TorchLocalSGD:
             raise ValueError(f"torch-localsgd: {size} ranks per node do not divide the world of {world} ranks into "
                              "nodes (LOCAL_WORLD_SIZE)")
         self.sync = sync
+        self.loss_scope = LossScope.alone(dist.get_rank())  # torch's hooks average each rank's own mean
         self.warmup_steps = warmup_steps
         self.ranks_per_node = size
         subgroup, _ = dist.new_subgroups(group_size=size, timeout=default_group_timeout())

@@ -24,7 +24,7 @@ rank is a replica group of its own (world size 1), so the outer all-reduce spans
 
 torchft's defaults: outer lr 0.7 and Nesterov momentum 0.9 (its tests), which are also
 ``sync.outer_lr`` and ``sync.outer_momentum``'s defaults (those are used); equal weighting of
-the replicas (``sync.weighting`` has no say: ``local_loss = True``, each rank's own mean
+the replicas (``sync.weighting`` has no say: ``loss_scope``: the rank alone, each rank's own mean
 loss); no compression (``should_quantize`` needs Triton and CUDA, and on gloo sends plain fp32
 anyway, so ``sync.codec`` must stay ``none``); one fragment. ``replicas_agree = False``.
 
@@ -52,6 +52,7 @@ from poise.config import CommConfig
 from poise.config.sync import SyncConfig
 from poise.runtime.clock import Clock
 from poise.sync.allreduce import AllReduce, HookWrapper
+from poise.sync.base import LossScope
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class TorchftDiLoCo:
         ValueError: one line: torchft is not installed, or a setting torchft cannot honour.
     """
 
-    local_loss = True
+    loss_scope: LossScope
     replicas_agree = False
     trial = None  # no comm.codec=auto trial: the recorder reads it
 
@@ -110,6 +111,7 @@ class TorchftDiLoCo:
                              f"CUDA): sync.codec={sync.codec!r} must stay 'none'")
         local_sgd, manager_mod, process_group, lighthouse_cls = load_torchft()
         rank, world = dist.get_rank(), dist.get_world_size()
+        self.loss_scope = LossScope.alone(rank)
         per_node = ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.sync = sync
         # DDP broadcasts rank 0's parameters (torchft's init_sync is off); its hook never runs

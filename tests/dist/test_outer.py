@@ -324,7 +324,7 @@ def test_node_scope_trains_each_node_as_one_replica_and_meets_by_node():
 
 def _node_gradients(rank: int, world_size: int) -> dict:
     """Outer driven by hand over two steps: a warm-up step (the world's loss weights, every step
-    synchronized) and an inner step (the node's weights, from ``loss_ranks``), each rank with its
+    synchronized) and an inner step (the node's weights, from ``loss_scope``), each rank with its
     own number of samples; the gradients after each backward and the exact ones of the batches
     of the ranks the weight is a share of, computed in one process."""
     config = SyncConfig(mode="local_sgd", inner_scope="node", inner_steps=2, warmup_steps=1)
@@ -336,7 +336,7 @@ def _node_gradients(rank: int, world_size: int) -> dict:
     opt = torch.optim.SGD(outer.model.parameters(), lr=0.1)
     out: dict = {"grads": [], "exact": [], "groups": []}
     for step in range(2):
-        ranks = outer.loss_ranks
+        ranks = outer.loss_scope.ranks
         group = list(range(world_size)) if ranks is None else list(ranks)
         weight = loss_weight([np.arange(sizes[r]) for r in group], group.index(rank))
         reference = _model()
@@ -360,7 +360,7 @@ def _node_gradients(rank: int, world_size: int) -> dict:
 
 def test_node_scope_gradients_are_the_exact_token_weighted_means():
     """With the weights the session gives (the world's during the warm-up, the node's share of its
-    terms between outer steps: ``loss_ranks``), the warm-up step's gradient is the world's exact
+    terms between outer steps: ``loss_scope``), the warm-up step's gradient is the world's exact
     one on every rank (the node's all-reduce, then the nodes' average), and an inner step's is
     the exact mean over the node's batches: nodes of consecutive ranks."""
     results = run_ranks(_node_gradients, world_size=4, timeout_s=120)

@@ -23,6 +23,7 @@ from poise.config import CommConfig, StragglerConfig
 from poise.runtime.clock import Clock
 from poise.straggler.claims import store_claims
 from poise.sync.allreduce import AllReduce, HookWrapper
+from poise.sync.base import LossScope
 from poise.sync.deadline.runner import DeadlineRunner, Pauses
 
 
@@ -39,7 +40,7 @@ class Deadline:
         pauses: waits outside forward and backward (emulated delays), or None.
     """
 
-    local_loss = False
+    loss_scope = LossScope()  # every rank: DDP's (FSDP2's) mean over the world
     replicas_agree = True
 
     def __init__(self, model: nn.Module, comm: CommConfig, config: StragglerConfig, *, clock: Clock,

@@ -49,9 +49,13 @@ _LEAVE: list[Callable[[], None]] = []  # this process's group, left and removed 
 class Slowdown:
     """How this rank is slowed: ``speed`` in (0, 1], ``method`` none, cgroup or sleep.
 
-    ``mark_s`` is the ``perf_counter()`` time the current stretch of compute began; the
-    training step sets it before forward and backward. None until then: a backward outside
-    the training step (the resume path's throw-away step) has no stretch to slow.
+    ``mark_s`` is the time the current stretch of compute began; the training step sets it
+    before forward and backward. None until then: a backward outside the training step (the
+    resume path's throw-away step) has no stretch to slow. The time is ``perf_counter()``, or
+    with ``by_cpu`` this process's CPU seconds: a sharded model's forward and backward block in
+    FSDP2's collectives, and a stretch of wall time would slow the rank by its waits for the
+    others too (under FSDP2 a rank at half speed then measured a third, and less as its share
+    fell, and the balancer starved it).
     """
 
     speed: float = 1.0
@@ -63,6 +67,7 @@ class Slowdown:
     threads: int = 1  # CPUs of the full-speed quota (cgroup method)
     group: Path | None = field(default=None, repr=False)  # the cgroup (cgroup method)
     mark_s: float | None = field(default=None, repr=False)
+    by_cpu: bool = False  # stretch by CPU seconds, not wall seconds (see class doc)
     _extra: float = field(default=0.0, repr=False)  # this step's sleep per second of compute
     slept_s: float = field(default=0.0, repr=False)  # seconds slept in stretches since the step began
     _lowered: bool = field(default=False, repr=False)  # cgroup: the quota is the slowed one
@@ -83,17 +88,20 @@ class Slowdown:
         """Sleep this step's extra share of the compute since ``mark_s`` (nothing when not
         slowed, or before the first step began); re-mark."""
         if self._extra > 0 and self.mark_s is not None:
-            seconds = self._extra * max(0.0, time.perf_counter() - self.mark_s)
+            seconds = self._extra * max(0.0, self._now() - self.mark_s)
             time.sleep(seconds)
             self.slept_s += seconds
-        self.mark_s = time.perf_counter()
+        self.mark_s = self._now()
+
+    def _now(self) -> float:
+        return time.process_time() if self.by_cpu else time.perf_counter()
 
     # -- installed around the step (poise/emulate/__init__.py) --------------------------------
 
     def step_began(self, index: int) -> None:
         """A step opens: its slowness, and its compute counts from now."""
         self.begin_step(index)
-        self.mark_s = time.perf_counter()
+        self.mark_s = self._now()
 
     def step_ended(self, index: int) -> None:
         """A step closed: nothing outside a step (an evaluation, a throw-away backward) is slowed."""

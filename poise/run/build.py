@@ -119,6 +119,7 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     sync: AllReduce | Deadline | Outer | Sharded | TorchLocalSGD | TorchftDiLoCo
     baselines = {"torch-localsgd": TorchLocalSGD, "torchft-diloco": TorchftDiLoCo}  # other libraries', to compare
     if isinstance(model, FSDPModule):
+        emulation.slowdown.by_cpu = True  # its forward and backward wait in collectives: stretch compute only
         sync = Sharded(model, comm, clock=clock, backend=backend, compression_start=start,
                        before_reduce=[emulation.slowdown.stretch] if emulation.slowdown.sleeps else [])
     elif sync_config.mode in baselines:

@@ -65,3 +65,17 @@ def test_rank_speed_with_a_start_step_parses():
     assert EmulateConfig(rank_speed="1:0.5@80,0:0.9").rank_speeds() == {1: (0.5, 80), 0: (0.9, 0)}
     with pytest.raises(ValueError, match=r"give RANK:SPEED or RANK:SPEED@STEP"):
         EmulateConfig(rank_speed="1:0.5@x")
+
+
+def test_by_cpu_stretches_the_cpu_seconds_not_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sharded model's forward waits in FSDP2's all-gathers: 1 s of wall time of which 0.1 s
+    was CPU work sleeps 0.1 s at half speed, not 1 s."""
+    asked: list[float] = []
+    wall, cpu = iter([10.0, 11.0]), iter([5.0, 5.1, 5.1])
+    monkeypatch.setattr(slowdown.time, "sleep", asked.append)
+    monkeypatch.setattr(slowdown.time, "perf_counter", lambda: next(wall))
+    monkeypatch.setattr(slowdown.time, "process_time", lambda: next(cpu))
+    slow = Slowdown(speed=0.5, method="sleep", by_cpu=True)
+    slow.step_began(0)  # marks CPU 5.0
+    slow.stretch()  # CPU 5.1: 0.1 s of compute, however long the wall clock ran
+    assert asked == [pytest.approx(0.1)]

@@ -147,6 +147,8 @@ CHECKED: list[tuple[str, str]] = [
                                               "tests/cluster/test_bench_network.py runs it at CI size"),
     (r"^(sudo \S*poise|poise) bench outer", "DDP, codecs and outer-step runs over shaped links, many minutes; "
                                             "tests/unit/test_bench_outer.py checks its arguments and tables"),
+    (r"^(sudo \S*poise|poise) bench parallel", "seven jobs on the emulated cluster, about 20 minutes; "
+                                               "tests/unit/test_bench_parallel.py checks its arguments and rows"),
     (r"^(sudo \S*poise|poise) bench plan", "45 jobs on the emulated cluster, about 21 minutes; "
                                            "tests/cluster/test_bench_plan.py runs it at CI size"),
 ]

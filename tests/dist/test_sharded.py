@@ -12,51 +12,23 @@ from __future__ import annotations
 import io
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.utils.data import Dataset
 
 import poise
 from poise.comm.codecs import ErrorFeedback, make
 from poise.comm.sharded import BlockingProbe, ShardedComm, ShardedReduceScatter
 from poise.runtime.clock import HostClock
+from tests.dist.test_session import LENGTHS, Sequences, collate, token_mean_loss
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.dist
 
-LENGTHS = np.random.default_rng(0).integers(2, 40, size=96)
 SPEEDS = {2: [1.0, 3.0], 4: [1.0, 3.0, 1.0, 2.0]}  # unequal shares: unequal batches
-
-
-class Sequences(Dataset):
-    """Sample i: LENGTHS[i] random features in [0, 1) and a target per position."""
-
-    def __len__(self) -> int:
-        return len(LENGTHS)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(int(i))
-        return torch.rand(int(LENGTHS[i]), 4, generator=g), torch.rand(int(LENGTHS[i]), 1, generator=g)
-
-
-def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(x) for x, _ in samples)
-    x = torch.zeros(len(samples), longest, 4)
-    y = torch.full((len(samples), longest, 1), float("nan"))  # padding: no loss term
-    for k, (a, b) in enumerate(samples):
-        x[k, : len(a)], y[k, : len(b)] = a, b
-    return x, y
-
-
-def token_mean_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    real = ~torch.isnan(y)
-    return F.mse_loss(model(x)[real], y[real])
 
 
 def _model() -> nn.Sequential:

@@ -19,6 +19,7 @@ from poise.comm.builder import build, check_backend, requires_single_bucket
 from poise.comm.codecs import ErrorFeedback
 from poise.comm.reducers import make_reducer
 from poise.comm.state import StepStats
+from poise.comm.trial import earliest_start
 from poise.config import CommConfig
 from tests.harness import run_ranks
 
@@ -81,9 +82,12 @@ def test_every_codec_through_ddp_keeps_ranks_identical_and_none_matches_plain_dd
         for name in registry.CODECS:
             for a, b in zip(first[name][0], r[name][0], strict=True):
                 assert torch.equal(a, b), name
-    # "none" is the same arithmetic as plain DDP, so bit for bit the same parameters
-    for a, b in zip(first["plain"], first["none"][0], strict=True):
-        assert torch.equal(a, b)
+    # "none" is the same arithmetic as plain DDP, so bit for bit the same parameters; so is
+    # "auto" before its start step: its dry runs after each step leave the model untouched
+    assert STEPS <= earliest_start(CommConfig().auto_trial_steps)
+    for name in ("none", "auto"):
+        for a, b in zip(first["plain"], first[name][0], strict=True):
+            assert torch.equal(a, b), name
     # the user-facing hook() is the same as build() with the same settings
     for a, b in zip(first["topk"][0], first["hook-api"][0], strict=True):
         assert torch.equal(a, b)
@@ -98,7 +102,7 @@ def test_every_codec_through_ddp_keeps_ranks_identical_and_none_matches_plain_dd
         else:
             assert last.buckets > 1, name  # several buckets: the hard case for torch's PowerSGD
         assert last.raw_bytes == sum(p.numel() * 4 for p in initial), name
-        if name != "none":
+        if name not in ("none", "auto"):
             assert last.wire_bytes < last.raw_bytes, name  # compressed after the warm-up steps
             if name != "torch-fp16":  # torch's fp16 hook compresses from the first step
                 assert stats[0].wire_bytes == stats[0].raw_bytes, name  # step 0 runs uncompressed

@@ -11,7 +11,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -133,6 +133,14 @@ class NodeLayout:
 
     def node_of(self, rank: int) -> int:
         return next(i for i, ranks in enumerate(self.nodes) if rank in ranks)
+
+
+def spans_nodes(ranks: Sequence[int], ranks_per_node: int | None = None) -> bool:
+    """Whether ``ranks`` are on more than one node, from torchrun's numbering (ranks node after
+    node, ``ranks_per_node`` per node, by default ``LOCAL_WORLD_SIZE``; without either, one
+    node). No collective: every strategy that counts inter-node bytes asks this one place."""
+    per_node = ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return per_node > 0 and len({r // per_node for r in ranks}) > 1
 
 
 def default_group_timeout() -> timedelta | None:

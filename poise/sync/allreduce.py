@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from poise.comm import builder as comm_builder
 from poise.comm.probe import BucketProbe, CommHook, instrumented
 from poise.comm.settle import settle_buckets
 from poise.comm.state import StepStats
+from poise.comm.topology import spans_nodes
 from poise.comm.trial import CodecTrial
 from poise.config import CommConfig
 from poise.runtime.clock import Clock
@@ -167,13 +167,6 @@ class NoSync:
         elif not last and self._context is None:
             self._context = self.model.no_sync()
             self._context.__enter__()
-
-
-def spans_nodes(ranks: Sequence[int]) -> bool:
-    """Whether ``ranks`` are on more than one node, from torchrun's numbering (ranks node after
-    node, ``LOCAL_WORLD_SIZE`` per node; without it, one node). No collective."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    return per_node > 0 and len({r // per_node for r in ranks}) > 1
 
 
 def _refuse_outside(hook: CommHook, expected: Callable[[], bool]) -> CommHook:

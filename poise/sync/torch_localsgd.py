@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from poise.comm.probe import BucketProbe, instrumented
 from poise.comm.settle import settle_buckets
 from poise.comm.state import CountingState, StepStats
-from poise.comm.topology import default_group_timeout
+from poise.comm.topology import default_group_timeout, spans_nodes
 from poise.config import CommConfig
 from poise.config.sync import SyncConfig
 from poise.runtime.clock import Clock
@@ -140,7 +140,7 @@ class TorchLocalSGD:
                                              bucket_cap_mb=comm.bucket_mb)
         self.state = _LocalSGDState(PostLocalSGDState(process_group=None, subgroup=subgroup,
                                                       start_localSGD_iter=warmup_steps),
-                                    spans_nodes=world > size, subgroup_size=size)
+                                    spans_nodes=spans_nodes(range(world), size), subgroup_size=size)
         hook = instrumented(_counting_hook, self.probe)
         for wrap in outer:
             hook = wrap(hook)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from poise.comm.state import Counters, StepStats
-from poise.comm.topology import default_group_timeout
+from poise.comm.topology import default_group_timeout, spans_nodes
 from poise.config import CommConfig
 from poise.config.sync import SyncConfig
 from poise.runtime.clock import Clock
@@ -119,7 +119,7 @@ class TorchftDiLoCo:
                                outer=outer)
         self.model = self.inner.model
         self.probe = self.inner.probe
-        self._spans_nodes = world > per_node
+        self._spans_nodes = spans_nodes(range(world), per_node)
         timeout = default_group_timeout() or timedelta(minutes=30)
         address = own_address()
         self._lighthouse = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from poise.sync.allreduce import spans_nodes
+from poise.comm.topology import spans_nodes
 
 
 @pytest.mark.parametrize(("per_node", "ranks", "spans"), [
@@ -18,3 +18,9 @@ def test_spans_nodes_from_local_world_size(monkeypatch: pytest.MonkeyPatch, per_
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", per_node)
     assert spans_nodes(ranks) is spans
+
+
+def test_an_explicit_ranks_per_node_overrides_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert spans_nodes(range(4), 2) is True
+    assert spans_nodes(range(4), 4) is False

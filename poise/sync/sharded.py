@@ -38,10 +38,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from poise.comm import builder as comm_builder
 from poise.comm import registry
@@ -133,6 +135,8 @@ class Sharded:
         self._hook_state = state
         self._install(model, replicate_group)
         self._backward_mark: Any = None
+        self._optimizer_check: Any = None  # armed across the session's first step
+        self._optimizer_checked = False
         log.info("sharded: %s%s, shard groups of %d, %d replicas, codec %r on the %s", self.mode,
                  " (native)" if self.native else "", self.shard_size, self.replicate_size, config.codec,
                  "replicate all-reduce" if self._hook_mode else "reduce-scatter")
@@ -168,6 +172,9 @@ class Sharded:
     # -- the call points -------------------------------------------------------------------
 
     def begin_step(self, index: int) -> None:
+        if not self._optimizer_checked:  # the session's first step: watch the optimizers stepped in it
+            self._optimizer_checked = True
+            self._optimizer_check = register_optimizer_step_pre_hook(_StaleOptimizerCheck(self.model))
         self.comm.reset_step()
         self._hook_state.reset_step()
 
@@ -185,6 +192,9 @@ class Sharded:
 
     def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
         """Count the optimizer step (compression starts after ``compression_start`` of them)."""
+        if self._optimizer_check is not None:  # the user's optimizer step is inside the step: done
+            self._optimizer_check.remove()
+            self._optimizer_check = None
         if optimizer_step:
             self.comm.step += 1
 
@@ -220,6 +230,24 @@ class Sharded:
         return {"mode": self.mode, "native": self.native, "codec": self.config.codec,
                 "codec_on": "replicate all-reduce" if self._hook_mode else "reduce-scatter",
                 "shard_size": self.shard_size, "replicate_size": self.replicate_size}
+
+
+class _StaleOptimizerCheck:
+    """A pre-hook on every optimizer's step during a session's first step: an optimizer built
+    *before* ``fully_shard`` holds the replaced plain tensors, which never get a gradient, so
+    its steps would silently train nothing. Refused in one line instead (an unrelated
+    optimizer whose parameters have gradients, a GAN's other one, passes)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.ids = {id(p) for p in model.parameters()}
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        stale = all(id(p) not in self.ids and p.grad is None and not isinstance(p, DTensor) for p in params)
+        if params and stale:
+            raise ValueError(f"{type(optimizer).__name__} holds none of the sharded model's parameters: build it "
+                             "after fully_shard (which replaces every parameter with a sharded DTensor), from "
+                             "model.parameters()")
 
 
 def _check_config(config: CommConfig) -> None:

@@ -39,7 +39,10 @@ def _model() -> nn.Sequential:
 def _sharded(mesh) -> nn.Module:
     """Blocks 0 and 2 sharded on their own; the root holds the head's parameters (as a model's
     embeddings and head usually are)."""
-    model = _model()
+    return _shard(_model(), mesh)
+
+
+def _shard(model: nn.Module, mesh) -> nn.Module:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -303,6 +306,20 @@ def _refusals(rank: int, world_size: int) -> dict:
         token_mean_loss(session.model, x, y).backward()  # not step.backward: refused before any gradient lands
     out["outside"] = str(err.value)
     out["grads"] = [p.grad is None for p in params]
+    # an optimizer built before fully_shard holds the replaced tensors: its steps would train nothing
+    model = _model()
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    late = poise.Session(_shard(model, mesh), data)
+    for step, batch in late.steps(late.dataloader(Sequences(), collate_fn=collate)):
+        step.backward(token_mean_loss(late.model, *batch))
+        if step.index == 0:  # the first step is watched
+            with pytest.raises(ValueError) as err:
+                stale.step()
+            out["stale"] = str(err.value)
+            torch.optim.SGD(late.model.parameters(), lr=0.1).step()  # one built after passes
+        else:
+            stale.step()  # later steps are not watched: they pay nothing
+            break
     return out
 
 
@@ -315,4 +332,5 @@ def test_what_cannot_run_sharded_is_refused_in_one_line():
         assert "native HSDP" in r["native-int8"] and "mesh['shard']" in r["native-int8"]
         assert "outside step.backward(loss)" in r["outside"]
         assert all(r["grads"])
+        assert "holds none of the sharded model's parameters" in r["stale"] and "after fully_shard" in r["stale"]
         assert all("\n" not in message for message in r.values() if isinstance(message, str))

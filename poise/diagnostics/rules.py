@@ -214,11 +214,37 @@ def communication(run: RunData) -> Finding:
                      "poise diagnose busbw --link RATE, check poise diagnose host")
         else:
             where = "measure the network with poise diagnose busbw --link RATE"
-        advice = (f"{where}; a gradient codec (--codec fp16 halves the bytes, powersgd or topk with error feedback "
-                  f"send 1/10-1/100; now {codec}), --collective hierarchical across nodes, a smaller --bucket-mb "
-                  f"so more of it overlaps backward (overlap {evidence['comm_overlap']:.0%})")
+        advice = f"{where}; {_fewer_bytes(run.report, codec, evidence['comm_overlap'])}"
     return Finding("communication", verdict, f"{share:.0%} of step time is communication beyond waiting for the "
                    "slowest rank", evidence, f"problem at >= {COMM_PROBLEM} of step time, warn >= {COMM_WARN}", advice)
+
+
+_OUTER_MODES = ("local_sgd", "diloco", "streaming", "torch-localsgd", "torchft-diloco")
+
+
+def _fewer_bytes(report: dict[str, Any], codec: str, overlap: float) -> str:
+    """The knobs that cut exposed communication for the run's synchronization (the report's
+    ``sync.mode``): each strategy has its own, and DDP's bucket size means nothing to FSDP2."""
+    sync = report.get("sync") if isinstance(report.get("sync"), dict) else {}
+    mode = str(sync.get("mode", "step")).removeprefix("auto: ")
+    reshard = ("--parallel.reshard_after_forward false keeps each block's gathered parameters from forward "
+               "to backward (one all-gather per block less, more memory)")
+    if mode == "fsdp":
+        return (f"a codec on the reduce-scatter (--codec fp16 halves its bytes, int8 quarters them; now {codec}), "
+                "--parallel hsdp with --parallel.shard_size set to the ranks of a node: only the replicate "
+                f"all-reduce crosses nodes, with any codec there, powersgd included; {reshard}")
+    if mode == "hsdp":
+        where = ("fp16 or bf16 on the reduce-scatter; for powersgd or int8 between nodes, fully_shard on "
+                 "mesh['shard'] alone (poise train does so for any codec but a cast)" if sync.get("native")
+                 else "powersgd sends 1/10-1/100 between nodes")
+        return f"a codec (now {codec}; {where}); {reshard}"
+    if mode in _OUTER_MODES:
+        return ("synchronize less often (a larger --sync.inner_steps), compress the outer change (--sync.codec int8), "
+                "or --sync streaming: fragments in turn, overlapped with the next inner steps")
+    return (f"a gradient codec (--codec fp16 halves the bytes, powersgd or topk with error feedback send "
+            f"1/10-1/100; now {codec}), --collective hierarchical across nodes, a smaller --bucket-mb so more of it "
+            f"overlaps backward (overlap {overlap:.0%}); where compute is short beside the link, outer steps "
+            "(--sync diloco, or --sync auto to choose)")
 
 
 def replan_oscillation(run: RunData) -> Finding:

@@ -103,6 +103,21 @@ def test_communication_share_with_the_line_rate():
     assert warn.verdict == "warn" and "busbw" in warn.advice
 
 
+@pytest.mark.parametrize(("sync", "named", "not_named"), [
+    ({"mode": "step"}, ["--collective hierarchical", "--bucket-mb"], ["--parallel"]),
+    ({"mode": "fsdp"}, ["--parallel hsdp", "--parallel.shard_size", "reshard_after_forward"], ["--bucket-mb"]),
+    ({"mode": "hsdp", "native": True}, ["fp16 or bf16", "mesh['shard']"], ["--bucket-mb", "--collective"]),
+    ({"mode": "hsdp", "native": False}, ["powersgd"], ["--bucket-mb", "mesh['shard']"]),
+    ({"mode": "auto: diloco"}, ["--sync.inner_steps", "--sync.codec"], ["--bucket-mb", "--codec fp16"]),
+    ({"mode": "torchft-diloco"}, ["--sync.inner_steps"], ["--bucket-mb"]),
+    ("garbage", ["--bucket-mb"], []),  # not a sync summary: DDP's advice
+])
+def test_communication_advice_names_the_knobs_of_the_run_s_synchronization(sync, named, not_named):
+    advice = verdicts(RunData(make_table(comm_s=0.2), {"codec": "int8", "sync": sync}))["communication"].advice
+    assert all(name in advice for name in named), advice
+    assert not any(name in advice for name in not_named), advice
+
+
 def _replans(shares0: list[float]) -> list[dict]:
     return [{"step": i, "shares": [s, 1 - s], "decision": "jump"} for i, s in enumerate(shares0)]
 

@@ -16,21 +16,49 @@ from typing import IO
 import numpy as np
 import torch.distributed as dist
 
-from poise.files import write_text_atomic
 from poise.runtime.dist import DistContext
 
 
 def keep_steps_before(path: Path, step: int) -> None:
-    """Rewrite one rank's record with only its complete lines for steps before ``step``."""
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:  # a line cut short by a killed process
+    """Cut one rank's record back to its complete lines for steps before ``step``.
+
+    The record is in step order (appended step after step, cut back at every resume), so only
+    its tail is read, backward from the end, until a complete line of an earlier step: a resume
+    costs the steps since the checkpoint, not the whole record (tens of MB after a long run with
+    many restarts, which took seconds to parse and rewrite at every restart). A last line cut
+    short by a killed process is dropped. One truncation: a crash leaves the record either cut
+    or whole, and a whole one is cut again by the next resume."""
+    with open(path, "rb+") as handle:
+        size = handle.seek(0, 2)
+        keep = _end_of_steps_before(handle, size, step)
+        if keep < size:
+            handle.truncate(keep)
+
+
+def _end_of_steps_before(handle: IO[bytes], size: int, step: int) -> int:
+    """The byte offset just past the last complete line of a step before ``step`` (0: none)."""
+    block = 1 << 16
+    while True:
+        start = max(0, size - block)
+        handle.seek(start)
+        data = handle.read(size - start)
+        first = 0 if start == 0 else data.find(b"\n") + 1  # where this block's first whole line starts
+        if start > 0 and first == 0:  # no line ends in this block
+            block *= 4
             continue
-        if entry["step"] < step:
-            kept.append(line)
-    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+        pos = len(data) if data.endswith(b"\n") else data.rfind(b"\n") + 1  # a cut-short last line: dropped
+        while pos > first:
+            line_start = data.rfind(b"\n", max(first - 1, 0), pos - 1) + 1
+            try:
+                earlier = json.loads(data[line_start:pos])["step"] < step
+            except (ValueError, KeyError, TypeError):
+                earlier = False  # not a record line: dropped with the steps after the checkpoint
+            if earlier:
+                return start + pos
+            pos = line_start
+        if start == 0:
+            return 0
+        block *= 4  # the steps since the checkpoint did not fit: read further back
 
 
 def read_samples(directory: Path) -> dict[int, list[int]]:

@@ -24,7 +24,7 @@ class TaskConfig:
     eval_max_samples: int = setting(
         512, "held-out samples evaluated at the end (0 = all of the held-out split)"
     )
-    cache_dir: str = setting("", "where the code-lm corpus index is cached ('' = ~/.cache/poise)")
+    cache_dir: str = setting("", "where the code-lm corpus index and the digits split are cached ('' = ~/.cache/poise)")
 
     def __post_init__(self) -> None:
         check_finite("task", self)

@@ -9,8 +9,11 @@ depend on the run seed, so every run evaluates on the same 360 images.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+import zipfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from poise.files import write_atomic
 from poise.tasks.base import Batch, EvalSums, Task
 
 logger = logging.getLogger(__name__)
@@ -46,8 +50,39 @@ class DigitsDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.images[index], self.labels[index]
 
 
-def load_digits_split() -> tuple[DigitsDataset, DigitsDataset]:
-    """Return ``(train, test)``: 1,437 and 360 images, stratified by class."""
+_SPLIT_SIZES = (1437, 360)
+_CACHE_MAX_BYTES = 4 << 20  # the split is about 0.5 MB: anything far larger is not ours
+
+
+def load_digits_split(cache_dir: Path | None = None) -> tuple[DigitsDataset, DigitsDataset]:
+    """Return ``(train, test)``: 1,437 and 360 images, stratified by class.
+
+    ``cache_dir``: where the split is kept after its first computation (one ``.npz`` per
+    scikit-learn version). Why: importing scikit-learn costs about a second per worker, and
+    a node's workers build the task one after the other, so every start and every elastic
+    restart of a digits job paid it twice. A cache that is missing, unreadable or not the
+    split's shapes, types and ranges is computed again and rewritten atomically; one that
+    cannot be written (a read-only home) only costs the next start the same second.
+    """
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"digits-split-sklearn-{importlib.metadata.version('scikit-learn')}.npz"
+        cached = _read_split(path)
+        if cached is not None:
+            return _datasets(*cached)
+    arrays = _compute_split()
+    if path is not None:
+        try:
+            write_atomic(path, lambda handle: np.savez(handle, **dict(zip(_KEYS, arrays, strict=True))))
+        except OSError as exc:
+            logger.debug("digits: split not cached in %s: %s", path, exc)
+    return _datasets(*arrays)
+
+
+_KEYS = ("train_x", "test_x", "train_y", "test_y")
+
+
+def _compute_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     # Imported here so importing poise.tasks does not pay for scikit-learn.
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -55,17 +90,32 @@ def load_digits_split() -> tuple[DigitsDataset, DigitsDataset]:
     digits = load_digits()
     images = (digits.images / _PIXEL_MAX).astype(np.float32)[:, None, :, :]
     labels = digits.target.astype(np.int64)
-    train_x, test_x, train_y, test_y = train_test_split(
-        images,
-        labels,
-        test_size=TEST_FRACTION,
-        stratify=labels,
-        random_state=SPLIT_RANDOM_STATE,
-    )
-    return (
-        DigitsDataset(torch.from_numpy(train_x), torch.from_numpy(train_y)),
-        DigitsDataset(torch.from_numpy(test_x), torch.from_numpy(test_y)),
-    )
+    return tuple(train_test_split(images, labels, test_size=TEST_FRACTION, stratify=labels,
+                                  random_state=SPLIT_RANDOM_STATE))  # type: ignore[return-value]
+
+
+def _read_split(path: Path) -> tuple[np.ndarray, ...] | None:
+    """The cached split, or None when it is missing or is not exactly what the split is."""
+    try:
+        if path.stat().st_size > _CACHE_MAX_BYTES:
+            return None
+        with np.load(path, allow_pickle=False) as data:
+            arrays = tuple(data[key] for key in _KEYS)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None
+    train_x, test_x, train_y, test_y = arrays
+    for x, y, n in ((train_x, train_y, _SPLIT_SIZES[0]), (test_x, test_y, _SPLIT_SIZES[1])):
+        if x.shape != (n, 1, 8, 8) or x.dtype != np.float32 or y.shape != (n,) or y.dtype != np.int64:
+            return None
+        if not (np.all((x >= 0) & (x <= 1)) and np.all((y >= 0) & (y < NUM_CLASSES))):
+            return None
+    return arrays
+
+
+def _datasets(train_x: np.ndarray, test_x: np.ndarray, train_y: np.ndarray,
+              test_y: np.ndarray) -> tuple[DigitsDataset, DigitsDataset]:
+    return (DigitsDataset(torch.from_numpy(train_x), torch.from_numpy(train_y)),
+            DigitsDataset(torch.from_numpy(test_x), torch.from_numpy(test_y)))
 
 
 class DigitsCNN(nn.Module):
@@ -121,13 +171,14 @@ def digits_eval_sums(model: nn.Module, batch: Batch) -> EvalSums:
     )
 
 
-def build_digits_task(*, seed: int) -> Task:
+def build_digits_task(*, seed: int, cache_dir: Path | None = None) -> Task:
     """Build the ``digits`` task.
 
     Args:
         seed: seeds the model initialisation only; the data split is fixed.
+        cache_dir: where the split is cached (None: computed every time).
     """
-    train_set, test_set = load_digits_split()
+    train_set, test_set = load_digits_split(cache_dir)
 
     def build_model() -> nn.Module:
         # Fork the CPU RNG (only: forking every device RNG is slow) so building a model

@@ -16,6 +16,10 @@ def default_cache_dir() -> Path:
     return Path(root) / "poise"
 
 
+def _cache_dir(config: RunConfig) -> Path:
+    return Path(config.task.cache_dir) if config.task.cache_dir else default_cache_dir()
+
+
 def _code_lm(config: RunConfig) -> Task:
     from poise.tasks.code_lm import build_code_lm_task
 
@@ -25,7 +29,7 @@ def _code_lm(config: RunConfig) -> Task:
         d_model=t.d_model,
         num_layers=t.num_layers,
         num_heads=t.num_heads,
-        cache_dir=Path(t.cache_dir) if t.cache_dir else default_cache_dir(),
+        cache_dir=_cache_dir(config),
         seed=config.train.seed,
     )
 
@@ -33,7 +37,7 @@ def _code_lm(config: RunConfig) -> Task:
 def _digits(config: RunConfig) -> Task:
     from poise.tasks.digits import build_digits_task
 
-    return build_digits_task(seed=config.train.seed)
+    return build_digits_task(seed=config.train.seed, cache_dir=_cache_dir(config))
 
 
 TASKS: dict[str, Callable[[RunConfig], Task]] = {"code-lm": _code_lm, "digits": _digits}

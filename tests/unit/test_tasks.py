@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import torch
 from poise.tasks import stdlib_corpus
 from poise.tasks.base import IGNORE_INDEX, Task
 from poise.tasks.code_lm import ByteTransformer, build_code_lm_task, collate_bytes
-from poise.tasks.digits import build_digits_task
+from poise.tasks.digits import build_digits_task, load_digits_split
 from poise.tasks.stdlib_corpus import (
     Corpus,
     corpus_stats,
@@ -294,6 +296,32 @@ def test_digits_split_and_metadata() -> None:
     assert all(
         torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters(), strict=True)
     )
+
+
+def _tensors(split: tuple) -> list[torch.Tensor]:
+    return [t for dataset in split for t in (dataset.images, dataset.labels)]
+
+
+def test_digits_split_is_cached_and_a_bad_cache_is_computed_again(tmp_path: Path) -> None:
+    computed = _tensors(load_digits_split())
+    first = _tensors(load_digits_split(tmp_path))  # computes, then caches
+    (cache,) = tmp_path.glob("digits-split-sklearn-*.npz")
+    assert all(torch.equal(a, b) for a, b in zip(computed, first, strict=True))
+    # a later worker start reads the cache without importing scikit-learn (the second it costs)
+    code = ("import sys; from pathlib import Path; from poise.tasks.digits import load_digits_split; "
+            f"load_digits_split(Path({str(tmp_path)!r})); print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+    good = cache.read_bytes()
+    for bad in (b"garbage", good[: len(good) // 2], b"x" * (5 << 20)):
+        cache.write_bytes(bad)
+        again = _tensors(load_digits_split(tmp_path))
+        assert all(torch.equal(a, b) for a, b in zip(computed, again, strict=True))
+        assert cache.read_bytes() == good  # rewritten
+    arrays = dict(np.load(cache))
+    arrays["train_y"] = arrays["train_y"] + 10  # right shapes and types, labels out of range
+    np.savez(cache, **arrays)
+    assert all(torch.equal(a, b) for a, b in zip(computed, _tensors(load_digits_split(tmp_path)), strict=True))
 
 
 def test_digits_training_reaches_95_percent() -> None:

@@ -134,7 +134,6 @@ class Sharded:
         assert isinstance(state, HookState), state  # torch's own hooks are refused above
         self._hook_state = state
         self._install(model, replicate_group)
-        self._backward_mark: Any = None
         self._optimizer_check: Any = None  # armed across the session's first step
         self._optimizer_checked = False
         log.info("sharded: %s%s, shard groups of %d, %d replicas, codec %r on the %s", self.mode,

@@ -128,7 +128,10 @@ def estimate_speeds(cost: np.ndarray, seconds: np.ndarray) -> SpeedEstimate:
         shift = np.nanmean(new, axis=1) - np.nanmean(old, axis=1)
         se = np.sqrt(np.nanvar(old, axis=1, ddof=1) / old.shape[1] + np.nanvar(new, axis=1, ddof=1) / RECENT_STEPS)
         z = np.abs(shift) / np.maximum(se, 1e-12)
-        if np.any((z > CHANGE_Z) & (np.abs(np.expm1(shift)) > MIN_CHANGE)):
+        # a rank that computed nothing in the recent steps (a deadline moved all its work to
+        # the others) has no speed there: the window is not narrowed to them
+        if np.any((z > CHANGE_Z) & (np.abs(np.expm1(shift)) > MIN_CHANGE)) and \
+                np.all(known[:, -RECENT_STEPS:].any(axis=1)):
             keep = RECENT_STEPS
     speeds = measured_speeds(cost[:, -keep:], seconds[:, -keep:])
     if keep >= 2:  # the standard error of the mean relative log speed: a relative error

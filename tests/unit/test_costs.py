@@ -112,6 +112,20 @@ def test_estimate_speeds_drops_the_steps_before_a_change_of_speed():
     assert changed.speeds[1] == pytest.approx(50, rel=0.03)
 
 
+def test_a_rank_that_computed_nothing_in_the_recent_steps_keeps_the_whole_window():
+    """A deadline moved all of slow rank 1's work to rank 0 in the last steps: rank 0's speed
+    relative to the others jumps there, but rank 1 has no speed in them; narrowing the window
+    to them stopped a dynamic-balancing job with 'cannot estimate speeds'."""
+    rng = np.random.default_rng(0)
+    cost = np.full((2, 20), 100.0)
+    seconds = 1.0 + 0.02 * rng.standard_normal((2, 20))
+    seconds[1] *= 6.0
+    cost[1, -RECENT_STEPS:] = 0.0
+    seconds[1, -RECENT_STEPS:] = 0.0
+    estimate = estimate_speeds(cost, seconds)
+    assert estimate.keep_steps == 20 and estimate.speeds[1] == pytest.approx(100 / 6, rel=0.03)
+
+
 def test_speed_errors_and_changes_are_judged_relative_to_the_other_ranks():
     rng = np.random.default_rng(0)
     cost = np.full((2, 20), 100.0)

@@ -54,9 +54,12 @@ class SyncConfig:
         "tokens", "how the ranks' changes are averaged: tokens (by the tokens each rank trained in the round: "
         "a rank given fewer samples counts less) or equal")
     auto_max_overhead: float = setting(
-        0.15, "auto: the largest share of compute time the outer all-reduce may add; H is the fewest inner "
-        "steps that keep it there")
-    auto_trial_steps: int = setting(4, "auto: steps synchronized in full at the start, timed to choose")
+        0.15, "auto: the largest share of compute time communication may add: every step synchronizes if DDP's "
+        "exposed communication stays within it, else H is the fewest inner steps that keep the outer all-reduce "
+        "there")
+    auto_trial_steps: int = setting(
+        4, "auto: DDP steps timed at the start (the first is not), then, if DDP's exposed communication is too "
+        "large, as many steps synchronized in full after each, timed")
 
     def __post_init__(self) -> None:
         check_finite("sync", self)

@@ -33,19 +33,23 @@ the piece of the change its local rank owns.
 Outer changes can be compressed with poise's codecs (``fp16``, ``bf16``, ``int8``, ``topk``),
 always with error feedback: what a round fails to send is added to the next round's change.
 
-``auto`` times its first ``auto_trial_steps`` steps (each synchronized in full, as local SGD
-with H=1) and chooses: if one full synchronization costs at most ``auto_max_overhead`` of a
-step's compute, every step synchronizes (plain DDP through ``[comm]``); otherwise outer steps
-with the fewest inner steps H that keep ``sync_s / (H compute_s)`` within that share (at most
-a tenth of the steps left), DiLoCo's Nesterov step if that leaves ``AUTO_DILOCO_ROUNDS`` rounds
-or more, plain averaging for fewer (momentum needs rounds to pay). The choice and its
-figures go into the report (``sync`` key).
+``auto`` measures before it chooses. Its first ``auto_trial_steps`` steps are DDP's (they count
+as the warm-up): the probe splits each into compute and the communication backward waited for
+after its last bucket (DDP overlaps the rest with backward). If that exposed communication is
+at most ``auto_max_overhead`` of the step's compute, every step keeps synchronizing (plain DDP
+through ``[comm]``: on a fast link outer steps could only lose accuracy). Otherwise as many
+steps again synchronize in full after each (local SGD with H=1, the outer step's own collective
+and codec, timed blocking) and it takes outer steps with the fewest inner steps H that keep
+``sync_s / (H compute_s)`` within that share (at most a tenth of the steps left), DiLoCo's
+Nesterov step if that leaves ``AUTO_DILOCO_ROUNDS`` rounds or more, plain averaging for fewer
+(momentum needs rounds to pay). The choice and its figures go into the report (``sync`` key).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,6 +76,14 @@ log = logging.getLogger(__name__)
 AUTO_MIN_INNER, AUTO_MAX_INNER = 2, 500
 # auto's outer step is DiLoCo's (Nesterov) from this many rounds left, else plain averaging
 AUTO_DILOCO_ROUNDS = 50
+
+
+def per_step_pays(exposed_s: float, compute_s: float, max_overhead: float) -> bool:
+    """``auto``'s first question: whether DDP's exposed communication (seconds a step that
+    backward waited for its all-reduce after computing its last bucket) is at most
+    ``max_overhead`` of a step's compute seconds. Then no outer step can save more than that
+    share, and every outer step costs accuracy: per-step synchronization stays."""
+    return compute_s <= 0 or exposed_s <= max_overhead * compute_s
 
 
 def choose_inner_steps(sync_s: float, compute_s: float, max_overhead: float, steps_left: int | None = None) -> int:
@@ -133,7 +145,9 @@ class Outer:
         self.lr, self.momentum = (1.0, 0.0) if plain else (config.outer_lr, config.outer_momentum)
         self.inner_steps = 1 if config.mode == "auto" else config.inner_steps
         self.per_step = False  # auto chose to synchronize every step through the inner all-reduce
-        self.warmup_left = config.warmup_steps  # optimizer steps still synchronized every step first
+        # optimizer steps synchronized every step before the first round: the warm-up, and auto's DDP trial
+        self.lead = max(config.warmup_steps, config.auto_trial_steps if config.mode == "auto" else 0)
+        self.warmup_left = self.lead  # of those, still to run
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # where the small all-reduces' tensors live: NCCL reduces only device tensors
         self.device = self.params[0].device if backend == "nccl" and self.params else torch.device("cpu")
@@ -152,8 +166,12 @@ class Outer:
         self.reducer = make_reducer(codec, self.nodes.cross_group, self.counters)
         self.codec = codec
         self.choice: dict[str, Any] | None = None  # auto's decision and its figures
-        self._trial: list[tuple[float, float]] = []  # auto: (compute s, sync s) of each trial step
+        self._ddp_trial: list[tuple[float, float]] = []  # auto: (compute s, exposed communication s) of DDP's steps
+        self._trial: list[tuple[float, float]] = []  # auto: (compute s, sync s) of each fully synchronized step
+        self._ddp_figures: tuple[float, float] | None = None  # auto: DDP's median (compute s, exposed s), all ranks
         self._step_began = 0.0
+        self._across_s = 0.0  # inner_scope=node: seconds this step's gradients took between the nodes
+        self._origin: Any = 0.0  # a mark of the probe's clock at the step's start (auto's DDP trial)
         self._last = True  # the micro-batch in hand ends the step's accumulation
 
     def _options(self) -> dict[str, Any]:
@@ -199,6 +217,9 @@ class Outer:
         self.counters.reset()
         self.node_counters.reset()
         self._step_began = time.perf_counter()
+        self._across_s = 0.0
+        if self.config.mode == "auto" and self._ddp_figures is None:
+            self._origin = self.probe.clock.mark()  # where auto's DDP trial reads the probe's marks from
 
     def micro_batch(self, last: bool) -> None:
         """Per-step sync and ``inner_scope=node``: as the inner all-reduce. Otherwise every
@@ -209,8 +230,10 @@ class Outer:
     def backward(self, run: Callable[[], None]) -> None:
         self.inner.backward(run)
         if self.nodes.by_node and self.every_step and self._last:  # the node's gradients, then the world's
+            began = time.perf_counter()
             average_across_nodes([p.grad for p in self.params if p.grad is not None], self.nodes, self.counters,
                                  self.node_counters)
+            self._across_s += time.perf_counter() - began
 
     def end_step(self, index: int, *, tokens: float, optimizer_step: bool) -> None:
         self.inner.micro_batch(True)  # leave no_sync: the step is over
@@ -219,6 +242,10 @@ class Outer:
             return
         if self.warmup_left > 0:
             if optimizer_step:
+                if self.config.mode == "auto" and self._ddp_figures is None:
+                    self._time_ddp_step()
+                    if self.per_step:
+                        return
                 self.warmup_left -= 1
                 if self.warmup_left == 0:  # the ranks agree (DDP's steps): the first round starts here
                     self._restart_rounds()
@@ -232,7 +259,7 @@ class Outer:
         self._apply_due(everything=final)
         sync_began = time.perf_counter()
         for fragment in range(len(self.groups)):
-            if final or (self.steps - self.config.warmup_steps) % self.inner_steps == launch_step(
+            if final or (self.steps - self.lead) % self.inner_steps == launch_step(
                     fragment, len(self.groups), self.inner_steps):
                 self._launch(fragment, delay=0 if final else None)
         self._apply_due(everything=final, mix=not final)  # the run's last: every rank takes the global model
@@ -241,7 +268,7 @@ class Outer:
 
     def _restart_rounds(self) -> None:
         """Outer rounds start from the parameters every rank now holds alike."""
-        self.steps = self.config.warmup_steps
+        self.steps = self.lead
         with torch.no_grad():
             self.global_ = [self._flat(g).clone() for g in self.groups]
         self.tokens = [0.0] * len(self.groups)
@@ -304,38 +331,62 @@ class Outer:
         self._write(group, local)
         self.outer_steps += 1
 
+    def _time_ddp_step(self) -> None:
+        """``auto``: time one of DDP's steps; after the last, every rank takes the same first
+        decision (per-step synchronization, or outer steps to be timed next)."""
+        step_s = time.perf_counter() - self._step_began
+        exposed = self._across_s
+        if self.probe.last_ready is not None:  # busy minus hidden: what backward waited for after its compute
+            busy, hidden = self.probe.comm_overlap(self.probe.last_ready, self._origin)
+            exposed += busy - hidden
+        self._ddp_trial.append((step_s - exposed, exposed))
+        if len(self._ddp_trial) < self.config.auto_trial_steps:
+            return
+        compute_s, exposed_s = _agreed_medians(self._ddp_trial[1:], self.world_size, self.device)  # DDP's first
+        self._ddp_figures = (compute_s, exposed_s)  # step rebuilds its buckets: not timed
+        if not per_step_pays(exposed_s, compute_s, self.config.auto_max_overhead):
+            return  # outer steps: their own synchronization is timed after the warm-up
+        self.per_step = True
+        self._choose("step", 1, f"DDP's all-reduce left {exposed_s:.3f} s a step exposed against {compute_s:.3f} s "
+                                f"of compute ({_share(exposed_s, compute_s):.1%} <= "
+                                f"{self.config.auto_max_overhead:.0%}): every step synchronizes, exactly")
+
     def _auto_trial(self, compute_s: float, sync_s: float) -> None:
-        """Time one trial step; after the last, every rank takes the same decision."""
+        """``auto``, after DDP's steps left too much exposed: time one fully synchronized step;
+        after the last, every rank chooses H alike."""
         self._trial.append((compute_s, sync_s))
         if len(self._trial) < self.config.auto_trial_steps:
             return
-        timed = self._trial[1:]  # the first step warms up allocations and the collective
-        mine = torch.tensor([sorted(t[0] for t in timed)[len(timed) // 2],
-                             sorted(t[1] for t in timed)[len(timed) // 2]], dtype=torch.float64, device=self.device)
-        dist.all_reduce(mine)
-        compute_s, sync_s = (float(v) / self.world_size for v in mine)
+        compute_s, sync_s = _agreed_medians(self._trial[1:], self.world_size, self.device)  # the first
+        ddp_compute_s, exposed_s = self._ddp_figures or (compute_s, sync_s)  # warms up the collective
+        ddp = (f"DDP's all-reduce left {exposed_s:.3f} s a step exposed against {ddp_compute_s:.3f} s of compute "
+               f"({_share(exposed_s, ddp_compute_s):.0%} > {self.config.auto_max_overhead:.0%}); ")
         left = self.last_step - self.steps if self.last_step is not None else None
         h = choose_inner_steps(sync_s, compute_s, self.config.auto_max_overhead, left)
-        overhead = sync_s / compute_s if compute_s > 0 else 0.0
+        overhead = _share(sync_s, compute_s)
         if h == 1:
             self.per_step = True
-            why = (f"one full synchronization takes {sync_s:.3f} s against {compute_s:.3f} s of compute a step "
-                   f"({overhead:.1%} <= {self.config.auto_max_overhead:.0%}): every step synchronizes, exactly")
-        else:
-            self.inner_steps = h
-            # Nesterov's outer momentum pays over many rounds; over few, plain averaging did better
-            # (code-lm, 4 workers, 100 steps: eval 2.98 at H=10 against DiLoCo's 3.21)
-            rounds = left // h if left is not None else None
-            diloco = rounds is None or rounds >= AUTO_DILOCO_ROUNDS
-            if diloco:
-                self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
-            outer = "DiLoCo" if diloco else f"parameter averaging (local SGD: {rounds} rounds, < {AUTO_DILOCO_ROUNDS})"
-            why = (f"one full synchronization takes {sync_s:.3f} s against {compute_s:.3f} s of compute a step "
-                   f"({overhead:.0%} > {self.config.auto_max_overhead:.0%}): {outer} every {h} steps keeps it to "
-                   f"{overhead / h:.1%} of compute" + ("" if left is None or h < left // 10 else
-                                                       f" (at most a tenth of the {left} steps left)"))
-        mode = "step" if h == 1 else "diloco" if self.momentum else "local_sgd"
-        self.choice = {"mode": mode, "inner_steps": h, "compute_s": compute_s, "sync_s": sync_s, "why": why}
+            self._choose("step", 1, ddp + f"one blocking synchronization takes {sync_s:.3f} s against {compute_s:.3f} "
+                                          f"s of compute ({overhead:.1%}): every step synchronizes, exactly")
+            return
+        self.inner_steps = h
+        # Nesterov's outer momentum pays over many rounds; over few, plain averaging did better
+        # (code-lm, 4 workers, 100 steps: eval 2.98 at H=10 against DiLoCo's 3.21)
+        rounds = left // h if left is not None else None
+        diloco = rounds is None or rounds >= AUTO_DILOCO_ROUNDS
+        if diloco:
+            self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
+        outer = "DiLoCo" if diloco else f"parameter averaging (local SGD: {rounds} rounds, < {AUTO_DILOCO_ROUNDS})"
+        self._choose("diloco" if diloco else "local_sgd", h, ddp + (
+            f"one blocking synchronization takes {sync_s:.3f} s against {compute_s:.3f} s of compute a step: {outer} "
+            f"every {h} steps keeps it to {overhead / h:.1%} of compute"
+            + ("" if left is None or h < left // 10 else f" (at most a tenth of the {left} steps left)")),
+            compute_s=compute_s, sync_s=sync_s)
+
+    def _choose(self, mode: str, h: int, why: str, **figures: float) -> None:
+        compute_s, exposed_s = self._ddp_figures or (0.0, 0.0)
+        self.choice = {"mode": mode, "inner_steps": h, "ddp_compute_s": compute_s, "ddp_exposed_s": exposed_s,
+                       **figures, "why": why}
         log.info("sync auto: %s", why)
 
     def between_steps(self) -> bool:
@@ -366,6 +417,8 @@ class Outer:
         return {"inner": self.inner.state_dict(), "steps": self.steps, "outer_steps": self.outer_steps,
                 "inner_steps": self.inner_steps, "per_step": self.per_step, "choice": self.choice,
                 "warmup_left": self.warmup_left,
+                "auto_trial": {"ddp": list(self._ddp_trial), "outer": list(self._trial),
+                               "ddp_figures": self._ddp_figures},
                 "local": [self._flat(g) for g in self.groups], "global": [g.clone() for g in self.global_],
                 "momenta": [m.clone() for m in self.momenta], "tokens": list(self.tokens), "pending": pending,
                 "codec": self.codec.state_dict()}
@@ -379,6 +432,11 @@ class Outer:
         self.inner_steps, self.per_step = int(state["inner_steps"]), bool(state["per_step"])
         self.warmup_left = int(state["warmup_left"])
         self.choice = state["choice"]
+        trial = state.get("auto_trial", {})  # (a state saved before auto's DDP trial: it times again)
+        self._ddp_trial = [(float(a), float(b)) for a, b in trial.get("ddp", [])]
+        self._trial = [(float(a), float(b)) for a, b in trial.get("outer", [])]
+        figures = trial.get("ddp_figures")
+        self._ddp_figures = (float(figures[0]), float(figures[1])) if figures is not None else None
         if self.choice is not None and self.choice["mode"] == "diloco":
             self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
         for i, group in enumerate(self.groups):
@@ -411,6 +469,19 @@ class Outer:
                 "outer_lr": self.lr, "outer_momentum": self.momentum, "auto": self.choice}
 
 
+def _agreed_medians(timed: Sequence[tuple[float, float]], world_size: int,
+                    device: torch.device) -> tuple[float, float]:
+    """The ranks' mean of this rank's medians of each figure (seconds): every rank decides alike."""
+    mine = torch.tensor([statistics.median(t[0] for t in timed), statistics.median(t[1] for t in timed)],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(mine)
+    return float(mine[0]) / world_size, float(mine[1]) / world_size
+
+
+def _share(part_s: float, whole_s: float) -> float:
+    return part_s / whole_s if whole_s > 0 else 0.0
+
+
 def _plus(a: StepStats, b: StepStats) -> StepStats:
     return StepStats(a.raw_bytes + b.raw_bytes, a.wire_bytes + b.wire_bytes, a.encode_s + b.encode_s,
                      a.decode_s + b.decode_s, a.buckets + b.buckets)
@@ -425,4 +496,4 @@ def _done(value: torch.Tensor | None) -> torch.futures.Future[torch.Tensor] | No
     return fut
 
 
-__all__ = ["Outer", "choose_inner_steps", "fragments", "launch_step"]
+__all__ = ["Outer", "choose_inner_steps", "fragments", "launch_step", "per_step_pays"]

@@ -5,7 +5,10 @@ unequal rounds, and a rank that trained nothing."""
 
 from __future__ import annotations
 
+import functools
 import os
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -19,7 +22,7 @@ from poise.config import CommConfig, SyncConfig
 from poise.runtime.clock import clock_for
 from poise.sync import Outer
 from poise.sync.nodes import Nodes, make_nodes, piece
-from poise.sync.outer import choose_inner_steps, fragments, launch_step
+from poise.sync.outer import choose_inner_steps, fragments, launch_step, per_step_pays
 from tests.dist.test_session import LENGTHS, Sequences, collate, token_mean_loss
 from tests.harness import run_ranks
 
@@ -31,18 +34,42 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
+class _Slow(nn.Module):
+    """``_model()`` whose forward takes ``seconds`` more (compute that dwarfs a loopback all-reduce)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.inner, self.seconds = _model(), seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.inner(x)
+
+
+class _Wide(nn.Module):
+    """``_model()`` with a 4-million-entry parameter that adds nothing to the output: a 16 MB
+    gradient all-reduce after almost no compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.wide = _model(), nn.Parameter(torch.zeros(4_000_000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + 0.0 * self.wide[:1]
+
+
 def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
 def _train(rank: int, world_size: int, sync: SyncConfig | str, steps: int, *, balance: str = "static",
            speeds: list[float] | None = None, lr: float = 0.1, adam: bool = False, state: dict | None = None,
-           stop_at: int | None = None, batch_size: int = 4) -> dict:
+           stop_at: int | None = None, batch_size: int = 4, model: Callable[[], nn.Module] = _model) -> dict:
     """``steps`` optimizer steps of a small model with SGD (or AdamW); parameters after each."""
     data = poise.Data(lengths=LENGTHS, batch_size=batch_size if balance == "static" else None,
                       batch_cost=None if balance == "static" else world_size * batch_size * 20.0,
                       loss_terms=LENGTHS, total_steps=steps)
-    session = poise.Session(_model(), data, balance=balance, sync=sync)
+    session = poise.Session(model(), data, balance=balance, sync=sync)
     if speeds is not None:
         session.sampler.set_speeds(speeds)
     params = [p for p in session.model.parameters()]
@@ -243,6 +270,8 @@ def test_fragments_launch_in_turn_at_equal_spacing():
 
 
 def test_auto_picks_per_step_sync_when_it_is_cheap_and_the_fewest_inner_steps_otherwise():
+    assert per_step_pays(0.1, 1.0, 0.15) and per_step_pays(0.15, 1.0, 0.15) and per_step_pays(5.0, 0.0, 0.15)
+    assert not per_step_pays(0.16, 1.0, 0.15)
     assert choose_inner_steps(0.01, 1.0, 0.05) == 1
     assert choose_inner_steps(0.5, 1.0, 0.05) == 10
     assert choose_inner_steps(100.0, 1.0, 0.05) == 500
@@ -250,8 +279,9 @@ def test_auto_picks_per_step_sync_when_it_is_cheap_and_the_fewest_inner_steps_ot
     assert choose_inner_steps(0.5, 1.0, 0.05, steps_left=50) == 5  # ten rounds at least
 
 
-def _auto(rank: int, world_size: int) -> dict:
-    out = _train(rank, world_size, SyncConfig(mode="auto", auto_trial_steps=3), 6)
+def _auto(rank: int, world_size: int, slow_s: float | None = None, wide: bool = False, steps: int = 10) -> dict:
+    model = (lambda: _Slow(slow_s)) if slow_s is not None else _Wide if wide else _model
+    out = _train(rank, world_size, SyncConfig(mode="auto", auto_trial_steps=3), steps, model=model)
     dist.barrier()
     return out
 
@@ -261,6 +291,35 @@ def test_auto_decides_alike_on_every_rank_and_says_why():
     choices = [r["summary"]["auto"] for r in results]
     assert choices[0] is not None and choices[0]["mode"] == choices[1]["mode"]
     assert choices[0]["inner_steps"] == choices[1]["inner_steps"] and "synchroniz" in choices[0]["why"]
+
+
+def _ddp_of(rank: int, world_size: int, model: Callable[[], nn.Module], steps: int) -> dict:
+    return _train(rank, world_size, "step", steps, model=model)
+
+
+def test_auto_keeps_every_step_when_ddp_hides_its_communication_and_is_then_ddp_bit_for_bit():
+    """Compute of 0.2 s a step against a loopback all-reduce of a small model: DDP's exposed
+    communication is far below 15 % of compute, so auto decides after its 3 DDP steps, never
+    runs an outer step, and every step's parameters are plain DDP's."""
+    auto = run_ranks(_auto, world_size=2, timeout_s=90, slow_s=0.2, steps=6)
+    ddp = run_ranks(_ddp_of, world_size=2, timeout_s=90, model=functools.partial(_Slow, 0.2), steps=6)
+    choice = auto[0]["summary"]["auto"]
+    assert choice["mode"] == "step" and "exposed" in choice["why"] and auto[0]["summary"]["outer_steps"] == 0
+    assert choice["ddp_exposed_s"] <= 0.15 * choice["ddp_compute_s"]
+    for a, d in zip(auto[0]["params"], ddp[0]["params"], strict=True):
+        assert _same(a, d)
+
+
+def test_auto_takes_outer_steps_when_ddp_waits_for_its_all_reduce():
+    """A 16 MB gradient after almost no compute: DDP's exposed communication exceeds 15 % of
+    compute, so auto times 3 fully synchronized steps after its 3 DDP steps, then chooses outer
+    steps (plain averaging: too few rounds left for DiLoCo) and the ranks still end alike."""
+    results = run_ranks(_auto, world_size=2, timeout_s=120, wide=True, steps=12)
+    choice = results[0]["summary"]["auto"]
+    assert choice["mode"] == "local_sgd" and choice["inner_steps"] >= 2, choice
+    assert choice["ddp_exposed_s"] > 0.15 * choice["ddp_compute_s"] and "exposed" in choice["why"]
+    assert results[0]["summary"]["outer_steps"] > 0
+    assert _same(results[0]["params"][-1], results[1]["params"][-1])
 
 
 # -- inner_scope = node: a node's ranks train as one replica ---------------------------------

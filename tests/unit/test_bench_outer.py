@@ -101,9 +101,14 @@ def test_measure_reads_the_report_time_to_target_utilization_per_worker_and_byte
 
 
 def _run(run: str, link: str, seed: int, time_s: float | None, util: list[float], slow: bool = False) -> dict:
+    """A run whose eval loss falls linearly from 3.0 at 0 s to 2.0 (the target) at ``time_s``,
+    or to 2.1 at 200 s where it never reached the target."""
+    final = 2.0 if time_s else 2.1
     return {"run": run, "link": link, "slow": slow, "seed": seed, "steps": 200, "time_to_target_s": time_s,
-            "target_eval_loss": 2.0, "final_eval_loss": 2.0 if time_s else 2.1, "compute_utilization": util,
-            "bytes_per_token": 100.0, "train_s": time_s}
+            "target_eval_loss": 2.0, "final_eval_loss": final, "compute_utilization": util,
+            "bytes_per_token": 100.0, "train_s": time_s or 200.0,
+            "eval_curve": [{"step": 0, "train_s": 0.0, "loss": 3.0}, {"step": 200, "train_s": time_s or 200.0,
+                                                                       "loss": final}]}
 
 
 def test_rows_are_medians_over_seeds_with_ratios_at_the_same_link() -> None:
@@ -116,12 +121,21 @@ def test_rows_are_medians_over_seeds_with_ratios_at_the_same_link() -> None:
     diloco, torchft = rows["1gbit", "diloco"], rows["1gbit", "torchft-diloco"]
     assert torchft["time_to_target_s"] == 80.0  # not reached counts as slowest: median of 60, 80, never
     assert diloco["time_to_target_s"] == 50.0 and diloco["speedup_vs_ddp"] == pytest.approx(110.0 / 50.0)
-    assert diloco["speedup_vs_torchft_diloco"] == pytest.approx(80.0 / 50.0)
+    # at torchft's own final loss, seed by seed: 80/50 (2.0), 200/49.5 (2.1, reached at 0.9 of 55 s), 60/40
+    assert diloco["speedup_vs_torchft_diloco"] == pytest.approx(80.0 / 50.0) and diloco["torchft_loss"] == 2.0
     assert diloco["torchft_reference"] == "torchft-diloco"
     assert diloco["floor_ratio"] == pytest.approx(50.0 / 45.0) and rows["floor", "diloco"]["floor_ratio"] is None
     assert diloco["compute_utilization"] == [0.9, 0.95] and diloco["min_compute_utilization"] == 0.9
     assert ("floor", "torchft-diloco") not in rows  # a failed job is no row
-    assert rows["1gbit", "ddp"]["speedup_vs_torchft_diloco"] == pytest.approx(80.0 / 110.0)
+    assert rows["1gbit", "ddp"]["speedup_vs_torchft_diloco"] == pytest.approx(80.0 / 100.0)  # 0.8, 200/108, 60/110
+
+
+def test_a_run_that_never_reaches_torchfts_final_loss_has_no_speedup_against_it() -> None:
+    runs = [_run("torchft-diloco", "1gbit", s, 80.0, [0.8]) for s in (0, 1, 2)]
+    runs += [_run("local-sgd", "1gbit", s, t, [0.9]) for s, t in ((0, 40.0), (1, None), (2, None))]
+    rows = {r["run"]: r for r in outer.summarize(runs)}
+    assert rows["local-sgd"]["speedup_vs_torchft_diloco"] is None  # two of three seeds never reached 2.0
+    assert rows["torchft-diloco"]["speedup_vs_torchft_diloco"] == pytest.approx(1.0)
 
 
 def test_the_equivalent_stands_in_for_torchft_and_the_table_says_so(capsys: pytest.CaptureFixture[str]) -> None:

@@ -432,7 +432,7 @@ class Outer:
         self.inner_steps, self.per_step = int(state["inner_steps"]), bool(state["per_step"])
         self.warmup_left = int(state["warmup_left"])
         self.choice = state["choice"]
-        trial = state.get("auto_trial", {})  # (a state saved before auto's DDP trial: it times again)
+        trial = state.get("auto_trial", {})  # auto's timings so far (none in an older poise's checkpoint)
         self._ddp_trial = [(float(a), float(b)) for a, b in trial.get("ddp", [])]
         self._trial = [(float(a), float(b)) for a, b in trial.get("outer", [])]
         figures = trial.get("ddp_figures")

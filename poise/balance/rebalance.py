@@ -52,6 +52,7 @@ equal split is kept until step 10, as before.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -125,8 +126,10 @@ def estimate_speeds(cost: np.ndarray, seconds: np.ndarray) -> SpeedEstimate:
     relative = log_speed - others
     if steps >= 3 * RECENT_STEPS:
         old, new = relative[:, :-RECENT_STEPS], relative[:, -RECENT_STEPS:]
-        shift = np.nanmean(new, axis=1) - np.nanmean(old, axis=1)
-        se = np.sqrt(np.nanvar(old, axis=1, ddof=1) / old.shape[1] + np.nanvar(new, axis=1, ddof=1) / RECENT_STEPS)
+        with warnings.catch_warnings():  # a rank with no speed in a part: NaN there, and no change read
+            warnings.simplefilter("ignore", RuntimeWarning)
+            shift = np.nanmean(new, axis=1) - np.nanmean(old, axis=1)
+            se = np.sqrt(np.nanvar(old, axis=1, ddof=1) / old.shape[1] + np.nanvar(new, axis=1, ddof=1) / RECENT_STEPS)
         z = np.abs(shift) / np.maximum(se, 1e-12)
         # a rank that computed nothing in the recent steps (a deadline moved all its work to
         # the others) has no speed there: the window is not narrowed to them

@@ -34,7 +34,8 @@ Equal loss: ``ddp`` runs ``--steps`` steps (default 200: 10 outer rounds at ``in
 take ``--extra-steps`` more with the reference's learning-rate schedule, evaluates every
 ``--eval-every`` steps and stops once it reaches the target. Per run: training seconds to the
 target (evaluations left out; linear between evaluations; "not reached"), speed-up against
-``ddp`` and against torchft's DiLoCo at the same link, the ratio to the same run at the floor,
+``ddp`` and, at equal loss, against torchft's DiLoCo at the same link (at the loss torchft's run
+ended at: it rarely reaches DDP's), the ratio to the same run at the floor,
 the final eval loss, each worker's compute utilization (its forward, backward and optimizer
 seconds over its seconds in steps: ``report.json``'s ``per_rank``) and the bytes every worker
 sent per token trained (``wire_bytes_per_token``). With several

@@ -358,9 +358,11 @@ class Outer:
         if len(self._trial) < self.config.auto_trial_steps:
             return
         compute_s, sync_s = _agreed_medians(self._trial[1:], self.world_size, self.device)  # the first
-        ddp_compute_s, exposed_s = self._ddp_figures or (compute_s, sync_s)  # warms up the collective
-        ddp = (f"DDP's all-reduce left {exposed_s:.3f} s a step exposed against {ddp_compute_s:.3f} s of compute "
-               f"({_share(exposed_s, ddp_compute_s):.0%} > {self.config.auto_max_overhead:.0%}); ")
+        ddp = ""  # warms up the collective; (no DDP figures: resumed from an older poise's checkpoint)
+        if self._ddp_figures is not None:
+            ddp_compute_s, exposed_s = self._ddp_figures
+            ddp = (f"DDP's all-reduce left {exposed_s:.3f} s a step exposed against {ddp_compute_s:.3f} s of "
+                   f"compute ({_share(exposed_s, ddp_compute_s):.0%} > {self.config.auto_max_overhead:.0%}); ")
         left = self.last_step - self.steps if self.last_step is not None else None
         h = choose_inner_steps(sync_s, compute_s, self.config.auto_max_overhead, left)
         overhead = _share(sync_s, compute_s)

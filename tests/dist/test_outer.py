@@ -100,8 +100,8 @@ def _train(rank: int, world_size: int, sync: SyncConfig | str, steps: int, *, ba
     return out
 
 
-def _ddp_reference(rank: int, world_size: int, steps: int) -> dict:
-    return _train(rank, world_size, "step", steps)
+def _ddp_reference(rank: int, world_size: int, steps: int, model: Callable[[], nn.Module] = _model) -> dict:
+    return _train(rank, world_size, "step", steps, model=model)
 
 
 def test_local_sgd_with_one_inner_step_is_ddp():
@@ -293,16 +293,12 @@ def test_auto_decides_alike_on_every_rank_and_says_why():
     assert choices[0]["inner_steps"] == choices[1]["inner_steps"] and "synchroniz" in choices[0]["why"]
 
 
-def _ddp_of(rank: int, world_size: int, model: Callable[[], nn.Module], steps: int) -> dict:
-    return _train(rank, world_size, "step", steps, model=model)
-
-
 def test_auto_keeps_every_step_when_ddp_hides_its_communication_and_is_then_ddp_bit_for_bit():
     """Compute of 0.2 s a step against a loopback all-reduce of a small model: DDP's exposed
     communication is far below 15 % of compute, so auto decides after its 3 DDP steps, never
     runs an outer step, and every step's parameters are plain DDP's."""
     auto = run_ranks(_auto, world_size=2, timeout_s=90, slow_s=0.2, steps=6)
-    ddp = run_ranks(_ddp_of, world_size=2, timeout_s=90, model=functools.partial(_Slow, 0.2), steps=6)
+    ddp = run_ranks(_ddp_reference, world_size=2, timeout_s=90, model=functools.partial(_Slow, 0.2), steps=6)
     choice = auto[0]["summary"]["auto"]
     assert choice["mode"] == "step" and "exposed" in choice["why"] and auto[0]["summary"]["outer_steps"] == 0
     assert choice["ddp_exposed_s"] <= 0.15 * choice["ddp_compute_s"]

@@ -145,11 +145,14 @@ def test_finish_writes_the_report_trace_and_plot_of_every_rank(tmp_path: Path):
     assert all(sum(e["shares"]) == pytest.approx(1.0) for e in report["replans"])
 
 
-def _resume(rank: int, world_size: int, prefetch: int) -> dict:
+def _resume(rank: int, world_size: int, prefetch: int, plan: str) -> dict:
     """Train 5 steps with the DataLoader ``prefetch`` batches ahead, save, and resume in a new
-    session: the steps after the save are the ones an uninterrupted run trains."""
+    session: the steps after the save are the ones an uninterrupted run trains. The shares
+    move at steps 3 and 7 by a replayed plan (``plan``), one before the save and one after it:
+    re-plans from measured speeds would differ between the runs on a loaded machine."""
     def session() -> poise.Session:
-        return poise.Session(_model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4), balance="dynamic",
+        return poise.Session(_model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4),
+                             balance=poise.BalanceConfig(strategy="dynamic", replay=plan),
                              comm=poise.CommConfig(codec="topk", start_step=0))
 
     def batches(s: poise.Session, count: int) -> list[list[int]]:
@@ -184,8 +187,10 @@ def _roundtrip(state: dict, rank: int):
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_a_saved_session_resumes_at_the_first_batch_not_trained(prefetch):
-    for result in run_ranks(_resume, world_size=2, timeout_s=90, prefetch=prefetch):
+def test_a_saved_session_resumes_at_the_first_batch_not_trained(prefetch, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps([{"step": 3, "shares": [0.7, 0.3]}, {"step": 7, "shares": [0.4, 0.6]}]))
+    for result in run_ranks(_resume, world_size=2, timeout_s=90, prefetch=prefetch, plan=str(plan)):
         assert result["resumed"] == result["whole"]
         assert result["residuals"]
 

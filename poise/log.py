@@ -63,11 +63,11 @@ class StepProgress:
             self._progress.update(self._task, completed=step + 1, status=status)
 
 
-def make_console(stderr: bool = False) -> Console:
-    """A rich console; when output is not a terminal (a file, CI), tables get 200 columns
+def make_console(stderr: bool = False, width: int = 200) -> Console:
+    """A rich console; when output is not a terminal (a file, CI), tables get ``width`` columns
     instead of rich's default 80, so they are not cut."""
     console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=200)
+    return console if console.is_terminal else Console(stderr=stderr, width=width)
 
 
 @contextmanager

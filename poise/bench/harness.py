@@ -78,7 +78,8 @@ def run_bounded(cmd: Sequence[str], log_file: Any, timeout_s: float, *, cpus: se
 
 
 def show_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> None:
-    """Print ``rows`` as a rich table with the given columns."""
+    """Print ``rows`` as a rich table with the given columns (in a file, up to 300 characters
+    wide: a bench's table is read whole, not wrapped cell by cell)."""
     from rich.table import Table
 
     table = Table(title=title)
@@ -86,7 +87,7 @@ def show_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[Col
         table.add_column(header, justify="right")
     for row in rows:
         table.add_row(*(fmt(row[key]) if key in row else "-" for key, _, fmt in columns))
-    make_console().print(table)
+    make_console(width=300).print(table)
 
 
 def save_results(out_dir: Path, family: str, data: dict[str, Any]) -> Path:

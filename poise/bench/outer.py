@@ -240,7 +240,7 @@ def _one(out: Path, link: str, slow: bool, label: str, seed: int, model: list[st
         target["loss"] = float(report["eval_loss"])
     row = measure(report, target["loss"], plan.steps)
     if short:  # DDP reaches its own final loss at its last step: its median step times --steps
-        row["time_to_target_s"] = float(report["median_step_s"]) * plan.steps
+        row["time_to_target_s"] = row["train_s_at_reference_steps"] = float(report["median_step_s"]) * plan.steps
         row["extrapolated"] = True
     return [{"run": label, "link": link, "slow": slow, "seed": seed, **row}]
 
@@ -269,11 +269,13 @@ def measure(report: dict[str, Any], target: float | None, reference_steps: int |
     (``wire_bytes_per_token``: every byte the workers put into collectives over every token
     they trained; outer steps send rarely, so a per-step median would read 0)."""
     curve = report["eval_curve"]
-    at_reference = [e["loss"] for e in curve if e["step"] == reference_steps] if reference_steps else []
+    at_reference = [e for e in curve if e["step"] == reference_steps] if reference_steps else []
     return {
         "steps": int(report["steps"]),
         # at equal tokens: the eval loss after the reference's steps (every run's batch is the same)
-        "eval_loss_at_reference_steps": float(at_reference[0]) if at_reference else None,
+        "eval_loss_at_reference_steps": float(at_reference[0]["loss"]) if at_reference else None,
+        # and the training seconds it took to get there (the speed at equal steps)
+        "train_s_at_reference_steps": float(at_reference[0]["train_s"]) if at_reference else None,
         "time_to_target_s": time_to_target(curve, target) if target is not None else None,
         "target_eval_loss": target,
         "final_eval_loss": float(report["eval_loss"]),
@@ -291,6 +293,12 @@ def _median_or_none(values: list[float | None]) -> float | None:
     return float(statistics.median(known)) if known else None
 
 
+def _spread(values: list[float | None]) -> list[float] | None:
+    """``[min, max]`` of the known values over the seeds (None when none is known)."""
+    known = [v for v in values if v is not None]
+    return [float(min(known)), float(max(known))] if known else None
+
+
 def _median_time(values: list[float | None]) -> float | None:
     """Median seconds, a run that never reached the target counting as slower than any that did."""
     median = statistics.median(math.inf if v is None else v for v in values)
@@ -300,7 +308,10 @@ def _median_time(values: list[float | None]) -> float | None:
 def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (link, slow, run): medians over the seeds, then the ratios between rows.
 
-    ``speedup_vs_ddp``: DDP's time to the target over this run's, at the same link and variant.
+    ``speedup_vs_ddp``: DDP's time to the target over this run's, at the same link and variant;
+    ``speedup_at_equal_steps``: DDP's training seconds for its steps over this run's for as many
+    steps (the speed per step, whatever the loss). The spreads (``*_range``: ``[min, max]`` over
+    the seeds; ``reached``: how many seeds reached the target) go beside the medians.
     ``speedup_vs_torchft_diloco``: at equal loss with torchft's ``DiLoCo`` (or its equivalent
     where it did not run: ``torchft_reference`` names which), which rarely reaches DDP's loss:
     the loss it ended at (``torchft_loss``, per seed), its time to first reach it over this
@@ -316,16 +327,22 @@ def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         utilization = [statistics.median(u) if None not in u else None
                        for u in zip(*(g["compute_utilization"] for g in group), strict=True)]
         per_token = [g["bytes_per_token"] for g in group if g["bytes_per_token"] is not None]
+        times = [g["time_to_target_s"] for g in group]
+        at_steps = [g.get("train_s_at_reference_steps") for g in group]
+        losses = [g.get("eval_loss_at_reference_steps") for g in group]
         rows.append({"run": label, "link": link, "slow": slow, "seeds": [g["seed"] for g in group],
                      "extrapolated": any(g.get("extrapolated") for g in group),
                      "steps": statistics.median(g["steps"] for g in group),
-                     "time_to_target_s": _median_time([g["time_to_target_s"] for g in group]),
+                     "time_to_target_s": _median_time(times), "time_to_target_range_s": _spread(times),
+                     "reached": sum(t is not None for t in times),
+                     "train_s_at_reference_steps": _median_or_none(at_steps),
+                     "train_s_at_reference_steps_range": _spread(at_steps),
                      "target_eval_loss": statistics.median(g["target_eval_loss"] for g in group
                                                            if g["target_eval_loss"] is not None)
                      if any(g["target_eval_loss"] is not None for g in group) else None,
                      "final_eval_loss": statistics.median(g["final_eval_loss"] for g in group),
-                     "eval_loss_at_reference_steps": _median_or_none(
-                         [g.get("eval_loss_at_reference_steps") for g in group]),
+                     "eval_loss_at_reference_steps": _median_or_none(losses),
+                     "eval_loss_at_reference_steps_range": _spread(losses),
                      "compute_utilization": utilization,
                      "min_compute_utilization": min((u for u in utilization if u is not None), default=None),
                      "bytes_per_token": statistics.median(per_token) if per_token else None})
@@ -337,6 +354,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row["torchft_reference"] = torchft["run"] if torchft else None
         floor = by_key.get((FLOOR, False, row["run"]))
         row["speedup_vs_ddp"] = _ratio(ddp, row)
+        row["speedup_at_equal_steps"] = _ratio(ddp, row, "train_s_at_reference_steps")
         row["torchft_loss"], row["speedup_vs_torchft_diloco"] = (
             _at_torchft_loss(groups[(*here, torchft["run"])], groups[(*here, row["run"])]) if torchft else (None, None))
         row["floor_ratio"] = _ratio(row, floor) if floor is not None and row["link"] != FLOOR else None
@@ -363,15 +381,22 @@ def _at_torchft_loss(torchft: Sequence[dict[str, Any]], runs: Sequence[dict[str,
     return float(statistics.median(losses)), (float(median) if median > 0 else None)
 
 
-def _ratio(base: dict[str, Any] | None, row: dict[str, Any] | None) -> float | None:
-    """``base``'s time to the target over ``row``'s (None when either did not reach it)."""
-    if base is None or row is None or not base["time_to_target_s"] or not row["time_to_target_s"]:
+def _ratio(base: dict[str, Any] | None, row: dict[str, Any] | None, key: str = "time_to_target_s") -> float | None:
+    """``base``'s seconds (``key``: to the target) over ``row``'s (None when either has none)."""
+    if base is None or row is None or not base.get(key) or not row.get(key):
         return None
-    return base["time_to_target_s"] / row["time_to_target_s"]
+    return base[key] / row[key]
 
 
-def _seconds(value: float | None) -> str:
-    return "not reached" if value is None else f"{value:.1f} s"
+def _with_spread(row: dict[str, Any], key: str, fmt: str, none: str = "-") -> str:
+    """The median, and its seeds' ``[min, max]`` after it where there are several seeds."""
+    value, spread = row.get(key), row.get(f"{key}_range")
+    if value is None:
+        return none
+    text = format(value, fmt)
+    if len(row["seeds"]) < 2 or spread is None:
+        return text
+    return f"{text} ({format(spread[0], fmt)}-{format(spread[1], fmt)})"
 
 
 def _x(value: float | None) -> str:
@@ -385,20 +410,26 @@ def show(rows: Sequence[dict[str, Any]], plan: Plan) -> None:
               if reference == {EQUIVALENT} else "vs torchft DiLoCo (its equivalent where torchft's failed)")
     shown = [{**r, "run": r["run"] + (" (time extrapolated)" if r.get("extrapolated") else ""),
               "variant": f"{r['link']}{', ' + SLOW_NOTE if r['slow'] else ''}"
-              + (f" [{FLOOR_RATE}]" if r["link"] == FLOOR else "")} for r in rows]
+              + (f" [{FLOOR_RATE}]" if r["link"] == FLOOR else ""),
+              "to_target": _with_spread(r, "time_to_target_s", ".1f", "not reached")
+              + (f", {r['reached']}/{len(r['seeds'])} seeds" if 0 < r["reached"] < len(r["seeds"]) else "")
+              + ("" if r.get("speedup_vs_ddp") is None else f" ({r['speedup_vs_ddp']:.2f}x)"),
+              "at_steps": _with_spread(r, "train_s_at_reference_steps", ".1f")
+              + ("" if r.get("speedup_at_equal_steps") is None else f" ({r['speedup_at_equal_steps']:.2f}x)"),
+              "loss_at_steps": _with_spread(r, "eval_loss_at_reference_steps", ".4f")} for r in rows]
     targets = sorted({r["target_eval_loss"] for r in rows if r["target_eval_loss"] is not None})
     seeds = plan.seeds
     show_table(f"poise bench outer: time to ddp's eval loss after {plan.steps} steps "
                f"({', '.join(f'{t:.4f}' for t in targets) or 'none'}) on {plan.cluster} (nodes:workers), "
-               f"{'median of seeds ' if len(seeds) > 1 else 'seed '}{','.join(map(str, seeds))}", shown, [
+               f"{'median (min-max) of seeds ' if len(seeds) > 1 else 'seed '}{','.join(map(str, seeds))}", shown, [
         ("variant", "link", str),
         ("run", "run", str),
         ("steps", "steps run", lambda v: f"{v:g}"),
-        ("time_to_target_s", "time to target", _seconds),
-        ("speedup_vs_ddp", "vs DDP", _x),
+        ("to_target", "time to target, s (vs DDP)", str),
         ("speedup_vs_torchft_diloco", f"{versus} (at its final loss)", _x),
         ("floor_ratio", "time / floor's", _x),
-        ("eval_loss_at_reference_steps", "eval loss at ddp's steps", lambda v: "-" if v is None else f"{v:.4f}"),
+        ("at_steps", f"s for {plan.steps} steps (vs DDP)", str),
+        ("loss_at_steps", f"eval loss after {plan.steps} steps", str),
         ("final_eval_loss", "final eval loss", lambda v: f"{v:.4f}"),
         ("compute_utilization", "compute utilization per worker",
          lambda v: " ".join("-" if u is None else f"{u:.2f}" for u in v)),

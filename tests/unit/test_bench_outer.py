@@ -96,6 +96,8 @@ def test_measure_reads_the_report_time_to_target_utilization_per_worker_and_byte
     assert row["compute_utilization"] == [0.9, 0.45] and row["bytes_per_token"] == 12.5
     assert row["time_to_target_s"] == pytest.approx(15.0)  # halfway between 3.0 at 10 s and 2.0 at 20 s
     assert row["final_eval_loss"] == 2.0 and row["steps"] == 20
+    at_steps = outer.measure(report, target=2.5, reference_steps=10)
+    assert at_steps["train_s_at_reference_steps"] == 10.0 and at_steps["eval_loss_at_reference_steps"] == 3.0
     assert outer.measure(report, target=1.0)["time_to_target_s"] is None  # not reached
     assert outer.measure(report, target=None)["time_to_target_s"] is None  # no reference yet
 
@@ -128,6 +130,26 @@ def test_rows_are_medians_over_seeds_with_ratios_at_the_same_link() -> None:
     assert diloco["compute_utilization"] == [0.9, 0.95] and diloco["min_compute_utilization"] == 0.9
     assert ("floor", "torchft-diloco") not in rows  # a failed job is no row
     assert rows["1gbit", "ddp"]["speedup_vs_torchft_diloco"] == pytest.approx(80.0 / 100.0)  # 0.8, 200/108, 60/110
+
+
+def test_rows_give_the_speed_at_equal_steps_and_the_spread_over_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    runs = []
+    for seed, (ddp_s, run_s, loss) in enumerate(((100.0, 60.0, 2.3), (120.0, 70.0, 2.2), (110.0, 80.0, 2.25))):
+        runs += [{**_run("ddp", "1gbit", seed, ddp_s, [0.5]), "train_s_at_reference_steps": ddp_s,
+                  "eval_loss_at_reference_steps": 2.0},
+                 {**_run("local-sgd", "1gbit", seed, 90.0 if seed == 2 else None, [0.9]),
+                  "train_s_at_reference_steps": run_s, "eval_loss_at_reference_steps": loss}]
+    rows = {r["run"]: r for r in outer.summarize(runs)}
+    local = rows["local-sgd"]
+    assert local["train_s_at_reference_steps"] == 70.0 and local["train_s_at_reference_steps_range"] == [60.0, 80.0]
+    assert local["speedup_at_equal_steps"] == pytest.approx(110.0 / 70.0)
+    assert local["eval_loss_at_reference_steps_range"] == [2.2, 2.3] and local["eval_loss_at_reference_steps"] == 2.25
+    assert local["reached"] == 1 and local["time_to_target_s"] is None  # one seed of three: the median never did
+    assert local["time_to_target_range_s"] == [90.0, 90.0] and rows["ddp"]["reached"] == 3
+    outer.show(list(rows.values()), outer.Plan("2:2", 200, 0.25, 10, (0, 1, 2), 60.0))
+    shown = capsys.readouterr().out
+    assert "70.0 (60.0-80.0) (1.57x)" in shown and "2.2500 (2.2000-2.3000)" in shown
+    assert "not reached, 1/3 seeds" in shown and "median (min-max) of seeds 0,1,2" in shown
 
 
 def test_a_run_that_never_reaches_torchfts_final_loss_has_no_speedup_against_it() -> None:

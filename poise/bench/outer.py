@@ -35,12 +35,13 @@ take ``--extra-steps`` more with the reference's learning-rate schedule, evaluat
 ``--eval-every`` steps and stops once it reaches the target. Per run: training seconds to the
 target (evaluations left out; linear between evaluations; "not reached"), speed-up against
 ``ddp`` and, at equal loss, against torchft's DiLoCo at the same link (at the loss torchft's run
-ended at: it rarely reaches DDP's), the ratio to the same run at the floor,
-the final eval loss, each worker's compute utilization (its forward, backward and optimizer
-seconds over its seconds in steps: ``report.json``'s ``per_rank``) and the bytes every worker
-sent per token trained (``wire_bytes_per_token``). With several
-``--seeds``, the rows are medians over the seeds (a run that did not reach the target counts
-as slower than any that did) and the per-seed runs are in the JSON too.
+ended at: it rarely reaches DDP's), the ratio to the same run at the floor, its seconds for
+the reference's steps and its eval loss there (equal tokens) against DDP's, the final eval
+loss, each worker's compute utilization (its forward, backward and optimizer seconds over its
+seconds in steps: ``report.json``'s ``per_rank``) and the bytes every worker sent per token
+trained (``wire_bytes_per_token``). With several ``--seeds``, the rows are medians over the
+seeds (a run that did not reach the target counts as slower than any that did), with the
+lowest and highest seed beside each, and the per-seed runs are in the JSON too.
 
 The cluster needs root (``ip``, ``tc``); each job brings its own cluster up and down.
 """

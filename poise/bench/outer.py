@@ -400,6 +400,20 @@ def _with_spread(row: dict[str, Any], key: str, fmt: str, none: str = "-") -> st
     return f"{text} ({format(spread[0], fmt)}-{format(spread[1], fmt)})"
 
 
+def _cells(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with the table's text cells: the variant, and each median with its spread and ratio."""
+    def ratio(key: str) -> str:
+        return "" if row.get(key) is None else f" ({row[key]:.2f}x)"
+
+    some = f", {row['reached']}/{len(row['seeds'])} seeds" if 0 < row["reached"] < len(row["seeds"]) else ""
+    return {**row, "run": row["run"] + (" (time extrapolated)" if row.get("extrapolated") else ""),
+            "variant": f"{row['link']}{', ' + SLOW_NOTE if row['slow'] else ''}"
+            + (f" [{FLOOR_RATE}]" if row["link"] == FLOOR else ""),
+            "to_target": _with_spread(row, "time_to_target_s", ".1f", "not reached") + some + ratio("speedup_vs_ddp"),
+            "at_steps": _with_spread(row, "train_s_at_reference_steps", ".1f") + ratio("speedup_at_equal_steps"),
+            "loss_at_steps": _with_spread(row, "eval_loss_at_reference_steps", ".4f")}
+
+
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -409,15 +423,7 @@ def show(rows: Sequence[dict[str, Any]], plan: Plan) -> None:
     reference = {r["torchft_reference"] for r in rows if r["torchft_reference"]}
     versus = ("vs torchft DiLoCo" if reference <= {"torchft-diloco"} else f"vs {EQUIVALENT}"
               if reference == {EQUIVALENT} else "vs torchft DiLoCo (its equivalent where torchft's failed)")
-    shown = [{**r, "run": r["run"] + (" (time extrapolated)" if r.get("extrapolated") else ""),
-              "variant": f"{r['link']}{', ' + SLOW_NOTE if r['slow'] else ''}"
-              + (f" [{FLOOR_RATE}]" if r["link"] == FLOOR else ""),
-              "to_target": _with_spread(r, "time_to_target_s", ".1f", "not reached")
-              + (f", {r['reached']}/{len(r['seeds'])} seeds" if 0 < r["reached"] < len(r["seeds"]) else "")
-              + ("" if r.get("speedup_vs_ddp") is None else f" ({r['speedup_vs_ddp']:.2f}x)"),
-              "at_steps": _with_spread(r, "train_s_at_reference_steps", ".1f")
-              + ("" if r.get("speedup_at_equal_steps") is None else f" ({r['speedup_at_equal_steps']:.2f}x)"),
-              "loss_at_steps": _with_spread(r, "eval_loss_at_reference_steps", ".4f")} for r in rows]
+    shown = [_cells(r) for r in rows]
     targets = sorted({r["target_eval_loss"] for r in rows if r["target_eval_loss"] is not None})
     seeds = plan.seeds
     show_table(f"poise bench outer: time to ddp's eval loss after {plan.steps} steps "

@@ -28,6 +28,7 @@ from poise.cli.flags import add_config_flags, resolve
 from poise.launch import cluster_job
 from poise.launch.job import launch_job
 from poise.log import make_console
+from poise.runtime.launcher import WORKERS_LOCK
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ _SHARED_OUTPUTS = {"config.toml"}
 # directory (a one-machine job and a multi-node one exclude each other; two multi-node jobs are
 # told apart by the config hash their workers check, and their rank 0s by the checkpoint lock).
 JOB_LOCK = ".poise-job.lock"
+# Seconds a new job waits for an earlier job's workers to end (those of a command killed
+# outright die with it within milliseconds; others are named)
+ORPHANS_WAIT_S = 10.0
 
 
 def add_parser(sub: Any) -> None:
@@ -75,16 +79,26 @@ def default_out_dir() -> str:
 
 
 def own_out_dir(out_dir: Path, dist: cfg.DistConfig) -> None:
-    """Make ``out_dir`` (creating it) this job's: writable, and locked until this process exits.
+    """Make ``out_dir`` (creating it) this job's: writable, locked until this process exits, and
+    with no worker of an earlier job still running there (:data:`WORKERS_LOCK`).
 
     Raises:
         ValueError: it is a file or under one, cannot be created or written, or another job holds it.
     """
-    from poise.checkpoint.directory import check_writable, lock
+    from poise.checkpoint.directory import check_writable, lock, unlock
 
     check_writable(out_dir, "output directory", "--out")
     multi_node = dist.nnodes != "1" or bool(dist.rdzv_endpoint)
     lock(out_dir, wait_s=0.0, name=JOB_LOCK, what="output directory", flag="--out", shared=multi_node)
+    if not multi_node:
+        # Workers of an earlier job may outlive its command (killed outright, they die with it
+        # in a moment: poise.runtime.launcher): none may still run when ours start.
+        try:
+            lock(out_dir, wait_s=ORPHANS_WAIT_S, name=WORKERS_LOCK, what="output directory", flag="--out")
+        except ValueError as exc:
+            unlock(out_dir, JOB_LOCK)
+            raise ValueError(f"{exc} (workers of an earlier job still run there)") from None
+        unlock(out_dir, WORKERS_LOCK)
 
 
 def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
@@ -98,7 +112,7 @@ def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         return
     found = sorted(p.name for p in out_dir.iterdir()
                    if p.name not in _SHARED_OUTPUTS and not (p.suffix == ".log" and p.is_file())
-                   and p.name != JOB_LOCK
+                   and p.name not in (JOB_LOCK, WORKERS_LOCK)
                    # a sibling node writing its config.toml this instant (poise.files' temporary name)
                    and not any(p.name.startswith(f".{name}.") and p.name.endswith(".tmp") for name in _SHARED_OUTPUTS)
                    # a sibling node's empty checkpoint directory (with at most its lock): nothing to overwrite

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.config import DistConfig
+from poise.runtime.launcher import LAUNCHER_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
 
     # torchrun would force 1 thread per worker and warn; the worker sets its own count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # the workers die with this process, even when it is killed outright (poise.runtime.launcher)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     one_machine = not dist.rdzv_endpoint and dist.nnodes == "1"
     if dist.socket_ifname or one_machine:
         # Without it gloo binds to the address the hostname resolves to, which may be loopback.

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from poise.config import DistConfig, RunConfig, config_hash
+from poise.runtime.launcher import die_with_launcher
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def init_from_env(config: DistConfig) -> DistContext:
     Raises:
         ValueError: when not started by torchrun / ``poise train`` (variables missing).
     """
+    die_with_launcher()  # before anything is written: a worker never outlives the poise command
     missing = [v for v in _LAUNCHER_VARS if v not in os.environ]
     if missing:
         raise ValueError(

@@ -15,12 +15,14 @@ import argparse
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from poise import config as config_mod
 from poise.config import RunConfig
 from poise.log import setup_logging
 from poise.runtime import dist as rdist
+from poise.runtime.launcher import LAUNCHER_PID_ENV, WORKERS_LOCK, die_with_launcher
 
 
 def run_config_job(argv: list[str] | None, prog: str, command: str,
@@ -29,10 +31,12 @@ def run_config_job(argv: list[str] | None, prog: str, command: str,
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--config", required=True, help=f"resolved config written by 'poise {command}'")
     args = parser.parse_args(argv)
+    die_with_launcher()
     end_quietly_on_signals()
     config = config_mod.load(args.config)
     if not config.out_dir:
         raise ValueError(f"{args.config}: out_dir is empty: the worker needs to know where to write")
+    hold_out_dir(Path(config.out_dir))
     # poise.launch.job.CONFIG_HASH_ENV (not imported: a worker needs none of the launcher's code)
     expected = os.environ.get("POISE_CONFIG_HASH")
     if expected and config_mod.config_hash(config) != expected:
@@ -48,6 +52,21 @@ def run_config_job(argv: list[str] | None, prog: str, command: str,
         raise
     rdist.close(synchronize=True)
     return 0
+
+
+def hold_out_dir(out_dir: Path) -> None:
+    """Hold the output directory's workers' lock (:data:`~poise.runtime.launcher.WORKERS_LOCK`,
+    shared with the job's other workers) until this process ends, when a poise launcher started
+    it: the command's own lock on the directory ends with the command, and a new job must not
+    start beside a worker that outlived it. A plain ``torchrun`` start takes nothing.
+
+    Raises:
+        ValueError: an exclusive holder (a new job checking for workers) has it for 10 s.
+    """
+    if os.environ.get(LAUNCHER_PID_ENV):
+        from poise.checkpoint.directory import lock
+
+        lock(out_dir, wait_s=10.0, name=WORKERS_LOCK, what="output directory", flag="--out", shared=True)
 
 
 def end_quietly_on_signals() -> None:

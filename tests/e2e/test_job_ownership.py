@@ -153,3 +153,28 @@ def test_a_stopped_rank_is_named_as_stopped_soon(tmp_path):
             end_tree(proc)
     last = log.read_text().strip().splitlines()[-1]
     assert last.startswith("poise train: rank 1 stopped responding"), last
+
+
+@pytest.mark.timeout(200)
+def test_killing_the_command_outright_ends_its_workers_and_frees_the_directory(tmp_path):
+    """Issue 57, item 10: a ``poise train`` killed by SIGKILL (the OOM killer) left its workers
+    training on, beside the next job on the same ``--out``."""
+    out = tmp_path / "out"
+    proc, _ = _start(out, "--steps", "400")
+    try:
+        _wait_for(lambda: _steps(out) >= 2, proc, "its second step")
+        proc.kill()
+        proc.wait(timeout=60)
+        for _ in range(300):  # polls of 0.1 s: the kernel ends them as their parent dies
+            if not _workers_of(out / "config.toml"):
+                break
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            end_tree(proc)
+    assert not _workers_of(out / "config.toml"), "workers outlived their command"
+    assert not (out / "report.json").exists()
+    from poise.cli.train import own_out_dir
+
+    own_out_dir(out, cfg.DistConfig())  # free for the next job: raises if a worker still held it
+    directory.unlock(out, JOB_LOCK)

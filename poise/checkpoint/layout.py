@@ -236,7 +236,17 @@ def manifest_problem(name: str, manifest: dict[str, Any]) -> str:
 
 
 def _verify_files(path: Path, manifest: dict[str, Any]) -> None:
-    for name, entry in manifest["files"].items():
+    check_files(path, manifest["files"])
+
+
+def check_files(path: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Check that every file of ``files`` (name -> ``bytes`` and ``sha256``) is in folder ``path``,
+    a regular file (no link) of that size and checksum.
+
+    Raises:
+        CorruptCheckpoint: naming the first that is missing, a link, truncated or altered.
+    """
+    for name, entry in files.items():
         file = path / name
         if file.is_symlink():
             raise CorruptCheckpoint(f"{path.name}/{name} is a symbolic link, not a file of the checkpoint")

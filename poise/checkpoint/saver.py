@@ -28,6 +28,7 @@ from poise.checkpoint import contents, directory, layout
 from poise.checkpoint.state import DoesNotFit, TrainingState, fit_config, fit_problems, param_shapes
 from poise.comm import codecs
 from poise.config import RunConfig, config_hash
+from poise.runtime.launcher import job_key, job_token
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +104,16 @@ class Checkpointer:
             directory.check_directory(self.root)
             directory.lock(self.root)
             directory.clean_partials(self.root)  # an earlier attempt's unfinished saves: room on a full disk
-            self._token = layout.new_token()
-            if store is not None:
+            self._token = job_token("checkpoint", attempt) or layout.new_token()
+            if store is not None and not job_key():
                 store.set(_TOKEN_KEY, self._token)
 
     def token(self) -> str:
-        """This attempt's writer token (names partial folders): rank 0's, shared through the store."""
+        """This attempt's writer token (names partial folders): derived from the job's secret by
+        every rank alike when a poise launcher gave one (nothing in the store to replace), else
+        rank 0's, shared through the store."""
+        if self._token is None:
+            self._token = job_token("checkpoint", self.attempt) or None
         if self._token is None:
             assert self.store is not None, "a multi-rank checkpoint needs the job's store"
             self.store.wait([_TOKEN_KEY], timedelta(seconds=self.timeout_s))
@@ -199,6 +204,7 @@ class Checkpointer:
         files["state.pt"] = directory.write_payload(partial, "state.pt", snapshot.shared).entry()
         for r in range(1, self.world_size):
             files[layout.rank_file(r)] = json.loads(self._wait_note(step, r))
+        self._confirm_parts(partial, {k: v for k, v in files.items() if k.startswith("rank-")})
         bases = sorted({holder for group in index.values() for e in group.values() for holder in layout.holders(e)}
                        | {name})
         manifest = {
@@ -244,6 +250,22 @@ class Checkpointer:
         self._restored[key] = self._restored[key] + codec.decode(encoded)
         entry = {**previous, "deltas": [*previous.get("deltas", []), {"in": name, "codec": codec.name}]}
         return entry, list(encoded.tensors), float((tensor - self._restored[key]).abs().max())
+
+    def _confirm_parts(self, partial: Path, parts: dict[str, Any]) -> None:
+        """Rank 0: every rank's file is in ``partial`` as its note in the store says (size and
+        sha256) before the save counts. A note is only a claim: a rank that wrote elsewhere (its
+        token replaced in the store by another local process) or a note forged there would
+        otherwise give a checkpoint missing a rank, logged as saved.
+
+        Raises:
+            RuntimeError: naming the rank whose part is not on disk as reported.
+        """
+        try:
+            layout.check_files(partial, parts)
+        except (layout.CorruptCheckpoint, KeyError, TypeError, AttributeError) as exc:  # a note may be forged
+            raise RuntimeError(f"checkpoint {partial.name.removeprefix(layout.PARTIAL_PREFIX)[:13]}: a rank's part "
+                               f"is not on disk as its note in the job's store says ({exc}): this save does not "
+                               "count") from None
 
     def _wait_note(self, step: int, rank: int) -> str:
         assert self.store is not None, "a multi-rank checkpoint needs the job's store"

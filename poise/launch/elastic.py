@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import sys
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.config import DistConfig
-from poise.runtime.launcher import LAUNCHER_PID_ENV
+from poise.runtime.launcher import JOB_KEY_ENV, LAUNCHER_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,11 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = dist.socket_ifname or "lo"
     if one_machine:
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # no second store on every interface
+        # the job's secret (poise.runtime.launcher): its store keys and checkpoint token; the
+        # nodes of a multi-node job have no way to share one, and listen on a trusted network
+        os.environ[JOB_KEY_ENV] = secrets.token_hex(16)
+    else:
+        os.environ.pop(JOB_KEY_ENV, None)
     watchdog = StoppedWorkerWatchdog(module, grace_s=min(STOPPED_GRACE_S, dist.timeout_s / 2))
     try:
         with loopback_rendezvous() if one_machine else _no_store() as port, watchdog:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from poise.config import DistConfig, RunConfig, config_hash
-from poise.runtime.launcher import die_with_launcher
+from poise.runtime.launcher import die_with_launcher, job_key
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,9 @@ def job_store(rank: int, config: DistConfig) -> dist.Store:
         host, port, int(os.environ["WORLD_SIZE"]), is_master=is_master, timeout=timedelta(seconds=connect_s),
         wait_for_workers=False, master_listen_fd=loopback_listener(host, port) if is_master else None,
     )
-    return dist.PrefixStore(f"poise/attempt-{attempt}/", store)
+    # under the job's secret when the launcher gave one: keys no other user can name
+    key = job_key()
+    return dist.PrefixStore(f"poise/{key + '/' if key else ''}attempt-{attempt}/", store)
 
 
 def loopback_listener(host: str, port: int) -> int | None:

@@ -14,6 +14,7 @@ plain ``torchrun``) has no such variable and is left alone.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import signal
 import sys
@@ -27,7 +28,27 @@ LAUNCHER_PID_ENV = "POISE_LAUNCHER_PID"
 # directory (which takes it exclusively for a moment before it starts its own workers) is
 # refused while any worker of an earlier one still runs.
 WORKERS_LOCK = ".poise-workers.lock"
+# A secret a one-machine launcher hands its workers (environment variables are readable by
+# their own user only): the job's keys in rank 0's store live under it
+# (:func:`poise.runtime.dist.job_store`), and the checkpoint writer's token is derived from it
+# (:func:`job_token`) instead of read from the store, where any local process could replace it.
+JOB_KEY_ENV = "POISE_JOB_KEY"
 _PR_SET_PDEATHSIG = 1
+
+
+def job_key() -> str:
+    """This job's secret (:data:`JOB_KEY_ENV`), '' when the launcher gave none (multi-node, torchrun)."""
+    key = os.environ.get(JOB_KEY_ENV, "")
+    return key if key.isalnum() else ""
+
+
+def job_token(purpose: str, attempt: int) -> str:
+    """16 hex digits every rank of launcher attempt ``attempt`` derives alike from the job's
+    secret for ``purpose``, with no exchange; '' without a secret."""
+    key = job_key()
+    if not key:
+        return ""
+    return hashlib.sha256(f"{key}/{purpose}/{attempt}".encode()).hexdigest()[:16]
 
 
 def die_with_launcher() -> None:

@@ -1,0 +1,52 @@
+"""What a checkpoint takes on trust from others, and no longer does (issue 57, items 11, 13, 16):
+a rank's note in the job's store (any local process can write there), outer-step state that
+verifies but cannot be resumed, a manifest's world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from poise.checkpoint import contents, layout
+from poise.checkpoint.saver import _TOKEN_KEY, Checkpointer
+from poise.runtime.launcher import JOB_KEY_ENV
+from tests.unit.test_checkpoint import _config, _model, _state
+
+
+def _two_ranks(root: Path) -> tuple[Checkpointer, Checkpointer, dist.Store]:
+    store = dist.HashStore()
+    model = _model()
+    config = _config(root.parent, differential=False)
+    savers = [Checkpointer(config, rank=r, world_size=2, store=store, attempt=0, model=model) for r in (0, 1)]
+    return savers[0], savers[1], store
+
+
+def _save_both(rank0: Checkpointer, rank1: Checkpointer, step: int) -> None:
+    state = _state(_model(), step)
+    state.shared["world_size"] = 2
+    rank1.save(state)  # sync saves: rank 1's note is in the store before rank 0 waits for it
+    rank0.save(state)
+
+
+def test_a_rank_that_wrote_elsewhere_makes_the_save_fail_instead_of_a_checkpoint_missing_it(tmp_path, monkeypatch):
+    monkeypatch.delenv(JOB_KEY_ENV, raising=False)  # a plain torchrun job: the token goes through the store
+    root = tmp_path / "checkpoints"
+    rank0, rank1, store = _two_ranks(root)
+    store.set(_TOKEN_KEY, "0123456789abcdef")  # another local process replaced it
+    with pytest.raises(RuntimeError, match=r"checkpoint step-00000001: a rank's part is not on disk as its note"):
+        _save_both(rank0, rank1, 1)
+    assert layout.list_checkpoints(root) == []  # nothing counted as saved
+    assert not [p for p in root.iterdir() if p.name.startswith(layout.PARTIAL_PREFIX + "step-00000001-"
+                                                                + rank0.token())]
+
+
+def test_under_a_poise_launcher_the_writer_token_is_not_read_from_the_store(tmp_path, monkeypatch):
+    monkeypatch.setenv(JOB_KEY_ENV, "5ec7e7" * 4)
+    root = tmp_path / "checkpoints"
+    rank0, rank1, store = _two_ranks(root)
+    store.set(_TOKEN_KEY, "0123456789abcdef")  # replaced: read by no rank
+    _save_both(rank0, rank1, 1)
+    assert rank1.token() == rank0.token() != "0123456789abcdef"
+    contents.verify_loadable(root, "step-00000001")

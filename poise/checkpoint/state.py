@@ -148,6 +148,12 @@ def shared_problem(shared: Any, step: int, world_size: int) -> str:
     return ""
 
 
+# The sizes of the RNG states :func:`set_rng_state` puts back (torch's CPU generator; numpy's
+# Mersenne Twister keys): a state of another size verifies by checksum and fails at restore.
+_TORCH_RNG_BYTES = torch.get_rng_state().numel()
+_MT_WORDS = 624
+
+
 def rank_problem(per_rank: Any, step: int) -> str:
     """What is wrong with the structure of a checkpoint's per-rank file for ``step`` ('' when
     nothing): its step, RNG states, session part and accumulated gradients."""
@@ -159,11 +165,14 @@ def rank_problem(per_rank: Any, step: int) -> str:
     if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor) \
             or rng["torch"].dtype != torch.uint8 or rng["torch"].dim() != 1:
         return "rng.torch is not a generator state (a 1-d uint8 tensor)"
+    if rng["torch"].numel() != _TORCH_RNG_BYTES:
+        return f"rng.torch has {rng['torch'].numel()} bytes, a generator state {_TORCH_RNG_BYTES}"
     numpy_state, python_state = rng.get("numpy"), rng.get("python")
     if not isinstance(numpy_state, (list, tuple)) or len(numpy_state) != 5 \
-            or not isinstance(numpy_state[1], torch.Tensor):
+            or not isinstance(numpy_state[1], torch.Tensor) or numpy_state[1].shape != (_MT_WORDS,):
         return "rng.numpy is not a numpy generator state"
-    if not isinstance(python_state, (list, tuple)) or len(python_state) != 3:
+    if not isinstance(python_state, (list, tuple)) or len(python_state) != 3 \
+            or not isinstance(python_state[1], (list, tuple)) or len(python_state[1]) != _MT_WORDS + 1:
         return "rng.python is not a python generator state"
     session = per_rank.get("session")
     if not isinstance(session, dict) or not set(RANK_KEYS) <= set(session):

@@ -56,13 +56,16 @@ def load_session_state(state: dict[str, Any], *, rank: int, world_size: int, sam
     """Restore :func:`session_state` (see :meth:`poise.Session.load_state_dict`).
 
     Raises:
-        ValueError: not a session state, or steps already recorded.
+        ValueError: not a session state, or a step already ran in this process.
     """
     for key in _REQUIRED:
         if key not in state:
             raise ValueError(f"not a poise session state: {key!r} is missing (keys: {sorted(state)})")
-    if recorder.steps_done:
+    if recorder.clock_s is not None:  # a step opened in this process (not: a state loaded before it)
         raise ValueError(f"load_state_dict after {recorder.steps_done} steps: load before the first step")
+    # loading again before the first step replaces the first load whole (a resume that falls back
+    # from a checkpoint one rank could not restore to an older one): no end of its step is due
+    recorder.due_end = None
     same_world = int(state["world_size"]) == world_size
     own = same_world and int(state["rank"]) == rank
     sampler.load_state_dict(state["sampler"])

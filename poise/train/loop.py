@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from poise import checkpoint
 from poise import config as config_mod
-from poise.checkpoint.sharded import is_sharded
 from poise.config import RunConfig
 from poise.log import StepProgress, step_progress
 from poise.run.data import Data
@@ -223,11 +222,11 @@ def resume(job: Job) -> tuple[int, str | None]:
             raise
         except Exception as exc:  # any load failure: fall back to the previous good checkpoint
             error = describe(exc)
-        ready = not error
-        if is_sharded(module):  # its restore is a collective: every rank goes in, or none does
-            loaded = [""] * job.ctx.world_size
-            dist.all_gather_object(loaded, error)
-            ready = not any(loaded)
+        # every rank goes in, or none does: a sharded restore is a collective, and a rank that
+        # restored while another could not load would leave the job's ranks in two states
+        loaded = [""] * job.ctx.world_size
+        dist.all_gather_object(loaded, error)
+        ready = not any(loaded)
         if ready:
             try:
                 touched = True

@@ -169,3 +169,36 @@ def test_a_session_left_without_finish_says_so_at_exit(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("poise: 2 steps were trained but session.finish() was never "
                                                    "called: no report.json was written (call it on every rank after "
                                                    "the last step)")
+
+
+def _fall_back(rank: int, world_size: int) -> dict:
+    """A state loaded, then an older one loaded over it before any step (a resume falling back
+    from a checkpoint another rank could not restore), then a step, then a third load."""
+    def session() -> poise.Session:
+        return poise.Session(_model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4))
+
+    first, states = session(), []
+    for k, (step, (x, y)) in enumerate(first.steps(first.dataloader(Sequences(), collate_fn=collate))):
+        step.backward(token_mean_loss(first.model, x, y))
+        states.append(first.state_dict())
+        if k == 2:
+            break
+    second = session()
+    second.load_state_dict(states[2])
+    second.load_state_dict(states[0])  # the fallback: refused before (issue 57, item 12)
+    for step, (x, y) in second.steps(second.dataloader(Sequences(), collate_fn=collate)):
+        step.backward(token_mean_loss(second.model, x, y))
+        index = step.index
+        break
+    try:
+        second.load_state_dict(states[1])
+        late = ""
+    except ValueError as exc:
+        late = str(exc)
+    return {"index": index, "late": late}
+
+
+def test_an_older_state_can_replace_a_loaded_one_until_the_first_step():
+    for result in run_ranks(_fall_back, world_size=2, timeout_s=60):
+        assert result["index"] == 1  # the step after the older state's, not after the first one loaded
+        assert result["late"] == "load_state_dict after 2 steps: load before the first step"

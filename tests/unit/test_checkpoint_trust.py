@@ -7,12 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from poise.checkpoint import contents, layout
 from poise.checkpoint.saver import _TOKEN_KEY, Checkpointer
 from poise.runtime.launcher import JOB_KEY_ENV
 from tests.unit.test_checkpoint import _config, _model, _state
+from tests.unit.test_checkpoint_attacks import _rewrite
+from tests.unit.test_checkpoint_safety import _save
 
 
 def _two_ranks(root: Path) -> tuple[Checkpointer, Checkpointer, dist.Store]:
@@ -50,3 +53,19 @@ def test_under_a_poise_launcher_the_writer_token_is_not_read_from_the_store(tmp_
     _save_both(rank0, rank1, 1)
     assert rank1.token() == rank0.token() != "0123456789abcdef"
     contents.verify_loadable(root, "step-00000001")
+
+
+@pytest.mark.parametrize("which", ["torch", "numpy"])
+def test_a_rank_state_with_an_rng_of_the_wrong_length_does_not_verify(tmp_path, which):
+    """Issue 57, item 12: it verified, restored on the other ranks and failed on this one."""
+    root = tmp_path / "checkpoints"
+    _save(root, [1])
+    path = root / "step-00000001"
+    state = torch.load(path / layout.rank_file(0), weights_only=True)
+    if which == "torch":
+        state["rng"]["torch"] = state["rng"]["torch"][:-8]
+    else:
+        state["rng"]["numpy"][1] = state["rng"]["numpy"][1][:100]
+    _rewrite(path, layout.rank_file(0), state)
+    with pytest.raises(layout.CorruptCheckpoint, match=f"rank-00000.pt is not a rank's training state: rng.{which}"):
+        contents.verify_loadable(root, path.name)

@@ -3,6 +3,9 @@
 - :class:`BalancedBatchSampler`: the shard planner (:mod:`poise.balance.sharding`): steps of
   a cost budget with length bucketing, split by predicted time using per-rank speeds that
   can be updated between steps.
+- :class:`MixedBatchSampler`: plain DDP's steps (the same samples per step as
+  ``DistributedSampler``), each split into per-rank ranges of similar lengths by predicted
+  time: balance ``auto``'s, which changes nothing that is trained.
 - :func:`make_sampler`: the batch sampler of a balance strategy (``static``: the baseline
   :class:`~poise.balance.static_schedule.StaticSchedule`; ``cost``, ``dynamic``: the balanced
   one); :func:`sampler_inputs`: the per-sample metadata and cost function it plans with, from
@@ -23,7 +26,16 @@ import numpy as np
 
 from poise.balance.costs import AttentionCost, CostFn, as_cost_fn, linear_cost
 from poise.balance.epoch_sampler import EpochSampler
-from poise.balance.sharding import plan_epoch, take_step
+from poise.balance.sharding import (
+    MAX_SHIFT,
+    EpochPlan,
+    SplitFn,
+    plan_epoch,
+    plan_fixed_steps,
+    split_sorted,
+    split_step,
+    take_step,
+)
 from poise.balance.static_schedule import StaticSchedule
 
 # cost(L) = L + α·L² with α ≈ 1/(6·d_model): a prior for small transformers; pass your own.
@@ -56,6 +68,10 @@ class BalancedBatchSampler(EpochSampler):
             sampler.set_epoch(epoch)
             for batch in loader: ...
     """
+
+    # how a step is divided, and how far its boundaries may move into untaken neighbours
+    split: SplitFn = staticmethod(split_step)
+    max_shift: int = MAX_SHIFT
 
     def __init__(
         self,
@@ -96,15 +112,26 @@ class BalancedBatchSampler(EpochSampler):
         # Steps are grouped with the cost function of the epoch's start, so a cost refit
         # mid-epoch changes how steps are split, never which samples the epoch still holds.
         self._epoch_cost_fn = self.cost_fn
-        self._plan = plan_epoch(
-            self.lengths, cost_fn=self.cost_fn, batch_cost=self.batch_cost, num_ranks=self.world_size,
-            seed=self.seed, epoch=epoch, bucket_steps=self.bucket_steps, subset=self.remaining,
-        )
+        self._plan = self._plan_epoch(epoch)
         if self.drop_last:
             keep = [self.cost_fn(self.lengths[self._plan.members(j)]).sum() >= 0.5 * self.batch_cost
                     for j in self._plan.order]
             self._plan.order = self._plan.order[np.asarray(keep, dtype=bool)]
         self._splits: dict[int, list[np.ndarray]] = {}
+
+    def _plan_epoch(self, epoch: int) -> EpochPlan:
+        """The epoch's steps: length-bucketed steps of ``batch_cost`` (see :mod:`~poise.balance.sharding`)."""
+        return plan_epoch(
+            self.lengths, cost_fn=self.cost_fn, batch_cost=self.batch_cost, num_ranks=self.world_size,
+            seed=self.seed, epoch=epoch, bucket_steps=self.bucket_steps, subset=self.remaining,
+        )
+
+    def _like(self, world_size: int) -> BalancedBatchSampler:
+        """A sampler made like this one for ``world_size`` ranks (to rebuild a saved plan)."""
+        return BalancedBatchSampler(
+            self.lengths, rank=0, world_size=world_size, batch_cost=self.batch_cost, cost_fn=self.cost_fn,
+            seed=self.seed, drop_last=self.drop_last, bucket_steps=self.bucket_steps,
+        )
 
     def __len__(self) -> int:
         return len(self._plan.order)
@@ -138,7 +165,8 @@ class BalancedBatchSampler(EpochSampler):
             if step != self._plan.taken:
                 raise ValueError(f"step {step} asked before step {self._plan.taken}: steps are taken in order")
             cost = self.rank_cost_fns if self.rank_cost_fns is not None else self.cost_fn
-            self._splits[step] = take_step(self._plan, self.lengths, cost, self.speeds).batches
+            self._splits[step] = take_step(self._plan, self.lengths, cost, self.speeds, max_shift=self.max_shift,
+                                           split=type(self).split).batches
         return self._splits[step]
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
@@ -178,10 +206,7 @@ class BalancedBatchSampler(EpochSampler):
         self._keep_epoch = None
         saved_world = int(state.get("world_size", self.world_size))
         if saved_world != self.world_size:
-            saved = BalancedBatchSampler(
-                self.lengths, rank=0, world_size=saved_world, batch_cost=self.batch_cost, cost_fn=self.cost_fn,
-                seed=self.seed, drop_last=self.drop_last, bucket_steps=self.bucket_steps,
-            )
+            saved = self._like(saved_world)
             saved.load_state_dict(state)
             self.cost_fn = saved.cost_fn
             self.set_epoch(saved.epoch, remaining=saved.remaining_samples())
@@ -208,6 +233,82 @@ class BalancedBatchSampler(EpochSampler):
         self._keep_epoch = self.epoch
 
 
+class MixedBatchSampler(BalancedBatchSampler):
+    """Plain DDP's steps, split by cost and speed into ranges of similar lengths (balance ``auto``).
+
+    Every step holds exactly the samples ``DistributedSampler`` gives plain DDP for that step
+    (:class:`~poise.balance.static_schedule.StaticSchedule`: ``batch_size`` samples per rank,
+    or ``batch_tokens`` padded tokens per rank), so the run trains what DDP trains; only who
+    computes which of them changes: each step is divided into contiguous ranges of its samples
+    sorted by length (:func:`~poise.balance.sharding.split_sorted`), so each rank pads little
+    and the ranks' predicted times are equal under the current speeds. With the session's
+    weighted loss the step's gradient is DDP's exact one (the mean over every loss term of
+    the step) whatever the split.
+
+    Args:
+        lengths, rank, world_size, cost_fn, speeds, seed: as :class:`BalancedBatchSampler`.
+        batch_size: samples per rank per step, as DDP's (the step: ``world_size × batch_size``).
+        batch_tokens: instead, padded tokens per rank per step, as DDP's.
+        batch_cost: instead, cost units per step over all ranks: steps of that budget drawn at
+            random (no length bucketing), for a budget DDP has no word for.
+    """
+
+    split: SplitFn = staticmethod(split_sorted)
+    max_shift = 0  # the steps are DDP's: no sample moves between them
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        rank: int,
+        world_size: int,
+        cost_fn: CostFn | None = None,
+        speeds: Sequence[float] | None = None,
+        seed: int = 0,
+        batch_size: int | None = None,
+        batch_tokens: int | None = None,
+        batch_cost: float | None = None,
+    ) -> None:
+        if sum(v is not None for v in (batch_size, batch_tokens, batch_cost)) != 1:
+            raise ValueError("give exactly one of batch_size, batch_tokens, batch_cost")
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
+        cost = as_cost_fn(cost_fn) if cost_fn is not None else AttentionCost(DEFAULT_ALPHA)
+        if batch_cost is None:
+            schedule = self._schedule(np.asarray(lengths), world_size, seed)  # refuses a split too small for its ranks
+            batch_cost = float(np.mean([cost(np.asarray(lengths)[np.concatenate(schedule.global_batches(j))]).sum()
+                                        for j in range(min(len(schedule), 64))]))
+        super().__init__(lengths, rank=rank, world_size=world_size, batch_cost=batch_cost, cost_fn=cost,
+                         speeds=speeds, seed=seed, bucket_steps=1)
+
+    @property
+    def _ddp_steps(self) -> bool:
+        return self.batch_size is not None or self.batch_tokens is not None
+
+    def _schedule(self, lengths: np.ndarray, world_size: int, seed: int) -> StaticSchedule:
+        return StaticSchedule(lengths, rank=0, world_size=world_size, seed=seed, batch_size=self.batch_size,
+                              batch_tokens=self.batch_tokens)
+
+    def _plan_epoch(self, epoch: int) -> EpochPlan:
+        """DDP's steps of ``epoch`` (of ``remaining`` only, when resumed on another number of
+        ranks); with a cost budget, steps of it in the epoch's random order (windows of one step)."""
+        if not self._ddp_steps:
+            return super()._plan_epoch(epoch)
+        schedule = self._schedule(self.lengths, self.world_size, self.seed)
+        schedule.set_epoch(epoch, self.remaining)
+        return plan_fixed_steps([np.concatenate(schedule.global_batches(j)) for j in range(len(schedule))])
+
+    def _like(self, world_size: int) -> BalancedBatchSampler:
+        return MixedBatchSampler(self.lengths, rank=0, world_size=world_size, cost_fn=self.cost_fn, seed=self.seed,
+                                 batch_size=self.batch_size, batch_tokens=self.batch_tokens,
+                                 batch_cost=None if self._ddp_steps else self.batch_cost)
+
+    def steps_in_epochs(self, num_epochs: int) -> int:
+        """Steps of epochs ``0 .. num_epochs - 1``: DDP's, computed as its schedule does."""
+        if not self._ddp_steps:
+            return super().steps_in_epochs(num_epochs)
+        return self._schedule(self.lengths, self.world_size, self.seed).steps_in_epochs(num_epochs)
+
+
 def make_sampler(
     strategy: str,
     lengths: Sequence[int] | np.ndarray,
@@ -222,7 +323,9 @@ def make_sampler(
     bucket_steps: int = 50,
 ) -> StaticSchedule | BalancedBatchSampler:
     """The batch sampler of a balance ``strategy``: ``static`` is torch's DistributedSampler cut
-    into batches; ``cost`` and ``dynamic`` plan steps of a cost budget split by cost / speed.
+    into batches; ``auto`` takes the same steps and splits each by cost / speed
+    (:class:`MixedBatchSampler`); ``cost`` and ``dynamic`` plan length-bucketed steps of a cost
+    budget split by cost / speed.
 
     Give exactly one budget: ``batch_size`` (samples per rank; for cost and dynamic, that many
     samples of average cost per rank), ``batch_tokens`` (padded tokens per rank; for cost and
@@ -239,11 +342,15 @@ def make_sampler(
     lengths = np.asarray(lengths)
     if strategy == "static":
         if batch_cost is not None:
-            raise ValueError("balance 'static' takes batch_size or batch_tokens: batch_cost needs 'cost' or 'dynamic'")
+            raise ValueError("balance 'static' takes batch_size or batch_tokens: batch_cost needs 'auto', 'cost' "
+                             "or 'dynamic'")
         return StaticSchedule(lengths, rank=rank, world_size=world_size, seed=seed, batch_size=batch_size,
                               batch_tokens=batch_tokens)
+    if strategy == "auto":
+        return MixedBatchSampler(lengths, rank=rank, world_size=world_size, cost_fn=cost_fn, seed=seed,
+                                 batch_size=batch_size, batch_tokens=batch_tokens, batch_cost=batch_cost)
     if strategy not in ("cost", "dynamic"):
-        raise ValueError(f"balance strategy {strategy!r} is unknown: allowed are static, cost, dynamic")
+        raise ValueError(f"balance strategy {strategy!r} is unknown: allowed are auto, static, cost, dynamic")
     cost = as_cost_fn(cost_fn) if cost_fn is not None else AttentionCost(DEFAULT_ALPHA)
     if batch_cost is None:
         if batch_tokens is not None:

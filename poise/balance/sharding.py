@@ -34,12 +34,23 @@ An epoch is planned in three stages:
 
 Steps are taken in order and read the speeds of that moment, so re-planning with new speeds
 (:mod:`poise.balance.rebalance`) changes who gets what in later steps.
+
+**Mixed steps** (balance ``auto``). Length bucketing changes what a step holds: a step of
+short samples and a step of long ones pull the model different ways, and a run needs more
+tokens to reach the same loss (the loss oscillation reported for Hugging Face's
+``group_by_length``). :func:`plan_fixed_steps` takes the steps as given instead (plain DDP's:
+``DistributedSampler``'s shuffled draw, the same samples per step), each its own window so no
+boundary moves, and :func:`split_sorted` divides a step into contiguous ranges of its samples
+sorted by length, one range per rank, cut so that the predicted times are as equal as
+possible. Each rank's batch then holds similar lengths (padding is per rank: only there does
+homogeneity matter), the step is still a random mix of the whole length distribution, and
+the weighted loss makes its gradient the same whatever the split.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,6 +170,22 @@ def plan_epoch(
     return EpochPlan(stream, np.asarray(bounds, dtype=np.int64), np.asarray(windows), visit)
 
 
+def plan_fixed_steps(steps: Sequence[np.ndarray]) -> EpochPlan:
+    """An epoch whose steps are given (each an array of sample indices), visited in the given
+    order, each its own window so :func:`take_step` never moves a boundary: the steps hold
+    exactly these samples whatever the speeds (see "Mixed steps" in the module doc).
+
+    Raises:
+        ValueError: when there is no step, or a step is empty.
+    """
+    if not steps or any(len(s) == 0 for s in steps):
+        raise ValueError("fixed steps: give at least one step, each with at least one sample")
+    sizes = np.array([len(s) for s in steps], dtype=np.int64)
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    stream = np.concatenate([np.asarray(s, dtype=np.int64) for s in steps])
+    return EpochPlan(stream, bounds, np.arange(len(steps)), np.arange(len(steps)))
+
+
 def take_step(
     plan: EpochPlan,
     lengths: np.ndarray,
@@ -166,15 +193,18 @@ def take_step(
     speeds: np.ndarray,
     *,
     max_shift: int = MAX_SHIFT,
+    split: SplitFn | None = None,
 ) -> StepSplit:
     """Take the next step of ``plan``: settle its boundaries for the best split, and split it.
 
     Tries moving each boundary shared with a not-yet-taken step of the same window by up to
     ``max_shift`` samples (both steps keep at least one sample per rank) and keeps the
     candidate with the best predicted balance under ``speeds`` (ties: the smallest move).
-    ``cost_fn``: one cost function, or one per rank (see :func:`split_step`). Mutates
-    ``plan`` (bounds, taken). O(max_shift² · n · R) for a step of n samples over R ranks.
+    ``cost_fn``: one cost function, or one per rank (see :func:`split_step`); ``split``: how a
+    step is divided (default :func:`split_step`). Mutates ``plan`` (bounds, taken).
+    O(max_shift² · n · R) for a step of n samples over R ranks.
     """
+    split = split or split_step
     num_ranks = len(speeds)
     j = int(plan.order[plan.taken])
     pending = set(plan.order[plan.taken + 1 :].tolist())  # not taken (nor dropped): may still change
@@ -190,7 +220,7 @@ def take_step(
         """A neighbour's balance were it split as it stands after the move (0: too small)."""
         if hi - lo < num_ranks:
             return 0.0
-        return balance(split_step(plan.stream[lo:hi], lengths, cost_fn, speeds).predicted_s)
+        return balance(split(plan.stream[lo:hi], lengths, cost_fn, speeds).predicted_s)
 
     # Moving a boundary changes a neighbour too: the move is scored on both, so that a step
     # does not balance itself by leaving its neighbour a handful of samples that cannot be.
@@ -203,9 +233,9 @@ def take_step(
             lo, hi = b[j] + dl, b[j + 1] + dr
             if hi - lo < num_ranks or (dl and left_after[dl] == 0.0) or (dr and right_after[dr] == 0.0):
                 return (math.inf, 0, dl, dr)  # every step keeps one sample per rank
-            split = split_step(plan.stream[lo:hi], lengths, cost_fn, speeds)
-            total = balance(split.predicted_s) + left_after[dl] + right_after[dr]
-            scored[dl, dr] = ((-total, abs(dl) + abs(dr), dl, dr), split)
+            divided = split(plan.stream[lo:hi], lengths, cost_fn, speeds)
+            total = balance(divided.predicted_s) + left_after[dl] + right_after[dr]
+            scored[dl, dr] = ((-total, abs(dl) + abs(dr), dl, dr), divided)
         return scored[dl, dr][0]
 
     best: tuple[float, int, int, int] = (math.inf, 0, 0, 0)
@@ -232,6 +262,10 @@ class StepSplit:
 
     batches: list[np.ndarray]
     predicted_s: np.ndarray
+
+
+# (a step's sample indices, every sample's length, the cost function(s), per-rank speeds) -> the split
+SplitFn = Callable[[np.ndarray, np.ndarray, "CostFn | Sequence[CostFn]", np.ndarray], StepSplit]
 
 
 def split_step(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence[CostFn],
@@ -283,4 +317,93 @@ def split_step(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence
         owner[k], count[donor], count[r] = r, count[donor] - 1, 1
     batches = [step[order[owner == r]] for r in range(num_ranks)]
     predicted = np.array([padded_cost(fns[r], lengths[b]) / speeds[r] for r, b in enumerate(batches)])
+    return StepSplit(batches=batches, predicted_s=predicted)
+
+
+def split_sorted(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence[CostFn],
+                 speeds: np.ndarray) -> StepSplit:
+    """Divide one step into contiguous ranges of its samples sorted by length, one range per
+    rank, with the most equal predicted times (padded cost / speed) such ranges allow.
+
+    Why contiguous: padding is per rank, so a rank's batch of similar lengths pads little even
+    when the step is a random draw (LPT, :func:`split_step`, deals a random step's lengths
+    round the ranks and keeps its padding). A range starting at the ``p``-th longest sample
+    and holding ``k`` of them costs ``k·cost(L_p)`` (its longest sets the padding), so for a
+    time bound ``T`` each rank in turn takes the most samples that fit: a greedy check in
+    O(R), and the least feasible ``T`` is found by bisection. The order in which ranks take
+    the ranges matters (a fast rank is best given the long samples); the fastest-first and
+    slowest-first orders and the ranks' own order are tried, and the best kept (ties: the
+    ranks' own). Every rank gets at least one sample when the step has as many as ranks.
+    O(n log n + R·log(1/ε)) per step; deterministic.
+
+    Raises:
+        ValueError: if a speed is not positive and finite.
+    """
+    speeds = np.asarray(speeds, dtype=np.float64)
+    if not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+        raise ValueError(f"speeds must be positive and finite, got {speeds.tolist()}")
+    num_ranks = len(speeds)
+    fns = list(cost_fn) if isinstance(cost_fn, (list, tuple)) else [cost_fn] * num_ranks
+    lengths = np.asarray(lengths)
+    step = np.asarray(step, dtype=np.int64)
+    order = np.lexsort((step, -lengths[step]))  # longest first; ties by index, for determinism
+    ranked = step[order]
+    n = len(ranked)
+    # seconds per sample of a range that starts at each position, per rank: [ranks, n]
+    unit = np.stack([np.asarray(f(lengths[ranked]), dtype=np.float64) for f in fns]) / speeds[:, None]
+
+    def cut(rank_order: Sequence[int], bound: float) -> list[int] | None:
+        """Samples each rank (in ``rank_order``) takes under ``bound`` seconds, or None when
+        they cannot all be taken; every rank after the current one keeps at least one."""
+        counts, pos = [0] * num_ranks, 0
+        for i, r in enumerate(rank_order):
+            room = n - pos
+            if room <= 0:
+                continue
+            most = room - (num_ranks - i - 1) if n >= num_ranks else room
+            per = float(unit[r, pos])
+            fits = math.floor(bound / per * (1 + 1e-12)) if per > 0 else most
+            counts[r] = max(1, min(most, fits))
+            pos += counts[r]
+        return counts if pos >= n else None
+
+    def slowest_s(rank_order: Sequence[int], counts: list[int]) -> float:
+        pos, slowest = 0, 0.0
+        for r in rank_order:
+            if counts[r]:
+                slowest = max(slowest, counts[r] * float(unit[r, pos]))
+                pos += counts[r]
+        return slowest
+
+    def best_for(rank_order: Sequence[int]) -> tuple[float, list[int]]:
+        low, high = 0.0, float(unit[:, 0].max()) * n  # any order fits this bound
+        found = cut(rank_order, high)
+        assert found is not None
+        for _ in range(60):
+            mid = 0.5 * (low + high)
+            counts = cut(rank_order, mid)
+            if counts is None:
+                low = mid
+            else:
+                high, found = mid, counts
+            if high - low <= 1e-9 * high:
+                break
+        return slowest_s(rank_order, found), found
+
+    candidates = [list(range(num_ranks)), [int(r) for r in np.argsort(-speeds, kind="stable")],
+                  [int(r) for r in np.argsort(speeds, kind="stable")]]
+    best: tuple[float, int, list[int], list[int]] | None = None
+    for k, rank_order in enumerate(candidates):
+        seconds, counts = best_for(rank_order)
+        if best is None or seconds < best[0] * (1 - 1e-9):
+            best = (seconds, k, rank_order, counts)
+    assert best is not None
+    _, _, rank_order, counts = best
+    batches: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * num_ranks
+    pos = 0
+    for r in rank_order:
+        batches[r] = ranked[pos:pos + counts[r]]
+        pos += counts[r]
+    predicted = np.array([padded_cost(fns[r], lengths[b]) / speeds[r] if len(b) else 0.0
+                          for r, b in enumerate(batches)])
     return StepSplit(batches=batches, predicted_s=predicted)

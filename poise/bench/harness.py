@@ -42,10 +42,14 @@ def run_train_job(
 
     ``cpus``: the CPUs the job and every process it starts may run on (its affinity; None: as
     this process). Output goes to ``out_dir/name/<command>.log``; a failed job raises
-    RuntimeError naming it.
+    RuntimeError naming it. A ``train`` job that names no ``--balance`` runs static sharding
+    (plain DDP's split): the benches compare codecs, collectives and synchronizations on
+    DDP's own batches, whatever ``poise train``'s default (``auto``) would decide.
     """
     out = out_dir / name
     out.mkdir(parents=True, exist_ok=True)
+    if command == "train" and "--balance" not in train_args:
+        train_args = [*train_args, "--balance", "static"]
     cmd = [sys.executable, "-m", "poise", command, *train_args, "--out", str(out),
            "--diagnostics.progress", "false", "--diagnostics.plot", "false"]
     log.info("bench job %s: poise %s %s", name, command, " ".join(train_args))

@@ -121,12 +121,29 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_rules(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.rules.split(",") if n.strip()] or None
-    findings = rules.evaluate(load_run(args.dir, link=args.link), names)
+    run = load_run(args.dir, link=args.link)
+    findings = rules.evaluate(run, names)
     if args.json:
         sys.stdout.write(json.dumps([f.to_dict() for f in findings], indent=2) + "\n")
         return 0
-    show_findings(make_console(), findings, f"poise diagnose run {args.dir}")
+    console = make_console()
+    show_findings(console, findings, f"poise diagnose run {args.dir}")
+    _show_decisions(console, run.report)
     return 0
+
+
+def _show_decisions(console: Any, report: dict[str, Any]) -> None:
+    """What poise decided in the run, when and why (the report's ``decisions``; for a report
+    written before they were recorded, rebuilt from its own keys by the same function)."""
+    from poise.decide import decisions, describe
+
+    found = report.get("decisions")
+    items = found if isinstance(found, list) and all(isinstance(d, dict) for d in found) else \
+        [d.as_dict() for d in decisions(report)]
+    if items:
+        console.print("what poise decided (and what pins it):", markup=False)
+        for line in describe(items):
+            console.print(f"  {line}", markup=False, highlight=False)
 
 
 def _add_host_arguments(parser: argparse.ArgumentParser) -> None:

@@ -230,11 +230,16 @@ def check_resumable(config: cfg.RunConfig) -> None:
 
 def _show_summary(report_path: Path) -> None:
 
+    from poise.decide import describe
     from poise.diagnostics.report import summary_table
 
     report = json.loads(report_path.read_text())
     console = make_console()
     console.print(summary_table(report))
+    if report.get("decisions"):
+        console.print("what poise decided (and what pins it):", markup=False)
+        for line in describe(report["decisions"]):
+            console.print(f"  {line}", markup=False, highlight=False)
     out = report_path.parent
     for name in ("config.toml", "report.json", "trace.json", "timeline.png"):
         if (out / name).exists():

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from poise.config.fields import check_finite, check_positive, setting
 
-BALANCE_STRATEGIES = ("static", "cost", "dynamic")
+BALANCE_STRATEGIES = ("auto", "static", "cost", "dynamic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -14,7 +14,10 @@ class BalanceConfig:
     """How work is split across ranks (see poise/balance/)."""
 
     strategy: str = setting(
-        "static", f"data split: {', '.join(BALANCE_STRATEGIES)} (static = DistributedSampler, equal sample counts)"
+        "auto", "data split: auto = plain DDP's steps (the same samples), each split by cost and by every rank's "
+        "speed measured from its first steps on, into ranges of similar lengths; static = DistributedSampler, "
+        "equal sample counts; cost = length-bucketed steps split by cost; dynamic = cost, re-planned from "
+        "measured speeds (bucketing changes each step's samples: see docs/decide.md)"
     )
     cost_model: str = setting("auto", "per-sample cost: auto (the task's), linear (L), attention (L + alpha*L^2)")
     cost_alpha: float | None = setting(

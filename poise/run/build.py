@@ -32,6 +32,7 @@ from poise.config import (
     StragglerConfig,
     SyncConfig,
 )
+from poise.decide import replan_schedule
 from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import Timeline
@@ -104,12 +105,12 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     if balance.strategy == "dynamic" and balance.replay:
         assert isinstance(sampler, BalancedBatchSampler)  # plan_sampler refuses others for dynamic
         partitioner = ReplayedPartitioner(sampler, load_replans(balance.replay, world_size))
-    elif balance.strategy == "dynamic":
-        assert isinstance(sampler, BalancedBatchSampler)
+    elif balance.strategy == "dynamic" or (balance.strategy == "auto" and isinstance(sampler, BalancedBatchSampler)):
+        assert isinstance(sampler, BalancedBatchSampler)  # auto with a sampler of the user's own: no re-plans
         partitioner = DynamicPartitioner(
-            sampler, cold_start_steps=balance.cold_start_steps, window_steps=balance.window_steps,
-            replan_every_steps=balance.replan_every_steps, max_share_change=balance.max_share_change,
+            sampler, window_steps=balance.window_steps, max_share_change=balance.max_share_change,
             confident_error=balance.confident_error, fit_alpha=balance.fit_alpha, device=collective_device,
+            **replan_schedule(balance),
         )
     emulation = emulation_for(emulate, rank=rank, threads=torch.get_num_threads(), seed=data.seed)
     clock = clock_for(device)

@@ -1,7 +1,9 @@
 """From the config to a built-in task and this rank's batch sampler, for ``poise train``.
 
-The three strategies of ``--balance`` (see :func:`poise.balance.make_sampler`):
+The strategies of ``--balance`` (see :func:`poise.balance.make_sampler`):
 
+- ``auto`` (the default): :class:`~poise.balance.sampler.MixedBatchSampler`: plain DDP's steps,
+  each split by cost and by the speeds the session measures (``poise/decide/``);
 - ``static``: :class:`~poise.balance.static_schedule.StaticSchedule` (torch's DistributedSampler);
 - ``cost``: :class:`~poise.balance.sampler.BalancedBatchSampler` with equal speeds: steps of a
   cost budget with length bucketing, split by padded cost;
@@ -66,10 +68,13 @@ def step_budget(config: RunConfig, task: Task, world_size: int, cost: AttentionC
 def build_sampler(config: RunConfig, task: Task, rank: int, world_size: int) -> StaticSchedule | BalancedBatchSampler:
     """This rank's sampler for ``config.balance.strategy`` over the task's training split."""
     b, t = config.balance, config.train
+    batch_size = t.batch_size or (None if t.batch_tokens else task.default_batch_size)
     if b.strategy == "static":
-        batch_size = t.batch_size or (None if t.batch_tokens else task.default_batch_size)
         return make_sampler("static", task.train_lengths, rank=rank, world_size=world_size, seed=t.seed,
                             batch_size=batch_size, batch_tokens=t.batch_tokens)
     cost = AttentionCost(cost_alpha(config, task))
+    if b.strategy == "auto":  # plain DDP's steps (its budget), split by cost and speed
+        return make_sampler("auto", task.train_lengths, rank=rank, world_size=world_size, cost_fn=cost, seed=t.seed,
+                            batch_size=batch_size, batch_tokens=t.batch_tokens)
     return make_sampler(b.strategy, task.train_lengths, rank=rank, world_size=world_size, cost_fn=cost, seed=t.seed,
                         batch_cost=step_budget(config, task, world_size, cost), bucket_steps=b.bucket_steps)

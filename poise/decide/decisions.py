@@ -1,0 +1,154 @@
+"""Every choice in force in a run, said plainly: :class:`Decision` and :func:`decisions`.
+
+A choice is worth what its reason is worth, so each one carries the step it took effect,
+the figures it was taken on, one sentence of why, and the setting that pins it (a pinned
+setting is never overridden). :func:`decisions` builds them from a report's own keys (the
+re-planner's ``replans``, the ``codec_trial``, the synchronization's ``sync``), so the same
+function serves the run that writes the report, the console summary and ``poise diagnose
+run`` reading an old report back. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# re-plan decisions that move the shares (poise.balance.rebalance.choose_shares); hold and wait do not
+MOVES = ("jump", "edge", "damped")
+SPLITS = {
+    "auto": "plain DDP's steps (the same samples), each split by cost and measured speed into ranges of "
+            "similar lengths",
+    "static": "DistributedSampler: equal sample counts, plain DDP's split",
+    "cost": "length-bucketed steps split by cost (the steps' samples differ from DDP's)",
+    "dynamic": "length-bucketed steps split by cost and measured speed (the steps' samples differ from DDP's)",
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One choice in force from ``step`` on.
+
+    Attributes:
+        knob: what was decided (``balance``, ``balance.shares``, ``comm.codec``, ``sync``, ``straggler``).
+        choice: what is in force, in words.
+        step: the step it took effect (0: from the start).
+        why: the reason, one sentence with its figures.
+        pin: the setting that pins it (a pinned setting is never overridden).
+        by: ``poise`` when poise chose it from measurements or its defaults, ``you`` when the
+            run's settings said so.
+        figures: the numbers it was taken on (seconds, cost units per second, shares).
+    """
+
+    knob: str
+    choice: str
+    step: int
+    why: str
+    pin: str
+    by: str = "poise"
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decisions(report: Mapping[str, Any]) -> list[Decision]:
+    """The run's decisions, in the order they took effect, from its report's keys
+    (``balance_strategy``, ``replans``, ``codec``, ``codec_trial``, ``sync``, ``straggler``).
+    Keys a report lacks give no decision."""
+    found = [*_balance(report), *_codec(report), *_sync(report), *_straggler(report)]
+    return sorted(found, key=lambda d: d.step)
+
+
+def describe(items: Sequence[Mapping[str, Any] | Decision], *, most: int = 8) -> list[str]:
+    """One line per decision for a console: ``step N  knob: choice (by) — why [pin: ...]``.
+    Past ``most`` share moves, the middle ones are counted, not listed."""
+    rows = [d.as_dict() if isinstance(d, Decision) else dict(d) for d in items]
+    moves = [i for i, r in enumerate(rows) if r.get("knob") == "balance.shares"]
+    hidden = set(moves[most // 2:len(moves) - most // 2]) if len(moves) > most else set()
+    lines: list[str] = []
+    for i, r in enumerate(rows):
+        if i in hidden:
+            if i == min(hidden):
+                lines.append(f"  ... {len(hidden)} more share moves (report.json: decisions)")
+            continue
+        lines.append(f"step {r.get('step', 0):>4}  {r.get('knob')}: {r.get('choice')} ({r.get('by', 'poise')}) — "
+                     f"{r.get('why')} [pin: {r.get('pin')}]")
+    return lines
+
+
+def _balance(report: Mapping[str, Any]) -> list[Decision]:
+    strategy = report.get("balance_strategy")
+    if strategy not in SPLITS:
+        return []
+    first = Decision(
+        "balance", f"{strategy}: {SPLITS[strategy]}", 0,
+        "no balance setting: poise trains DDP's samples and moves work only by measured speed; length bucketing "
+        "would change the steps' samples, so it is left to balance='cost' or 'dynamic'" if strategy == "auto"
+        else f"balance={strategy!r} was set", "balance='static' (or --balance static)" if strategy == "auto"
+        else f"balance={strategy!r}", by="poise" if strategy == "auto" else "you")
+    found = [first]
+    for replan in report.get("replans") or []:
+        if not isinstance(replan, Mapping) or replan.get("decision") not in MOVES:
+            continue
+        shares, speeds = replan.get("shares") or [], replan.get("speeds") or []
+        errors = replan.get("rel_error") or []
+        found.append(Decision(
+            "balance.shares", "shares " + " ".join(f"{s:.3f}" for s in shares), int(replan.get("step", 0)),
+            f"measured speeds {' '.join(f'{s:,.0f}' for s in speeds)} cost units/s"
+            + (f" (±{' ±'.join(f'{e:.1%}' for e in errors)})" if errors else "")
+            + f" over {replan.get('window_steps', 0)} steps: {replan['decision']}",
+            "balance.replay=<this run's report.json> (the same re-plans at the same steps)",
+            figures={"speeds": speeds, "rel_error": errors, "shares": shares}))
+    return found
+
+
+def _codec(report: Mapping[str, Any]) -> list[Decision]:
+    codec = report.get("codec")
+    if codec is None:
+        return []
+    trial = report.get("codec_trial")
+    if codec != "auto" or not isinstance(trial, Mapping):
+        return [Decision("comm.codec", str(codec), 0, "exact gradients: no codec was asked for" if codec == "none"
+                         else f"comm={codec!r} was set", f"comm={codec!r}", by="poise" if codec == "none" else "you")]
+    plain, coded, uses = trial.get("uncompressed_step_s"), trial.get("codec_step_s"), trial.get("uses_codec")
+    start = int(trial.get("start_step") or 0)
+    if uses is None:
+        return [Decision("comm.codec", "exact (PowerSGD trial not finished)", 0,
+                         f"the run ended before its dry runs at step {start}", "comm='none' or comm='powersgd'")]
+    why = (f"a step took {plain:.3f} s uncompressed and {coded:.3f} s predicted with PowerSGD "
+           f"(needs {trial.get('margin')}x faster: a lossy step is worth less)" if plain and coded
+           else "decided by the dry runs")
+    return [Decision("comm.codec", "powersgd" if uses else "none (exact)", start, why,
+                     "comm='powersgd'" if uses else "comm='none'", figures=dict(trial))]
+
+
+def _sync(report: Mapping[str, Any]) -> list[Decision]:
+    sync = report.get("sync")
+    if not isinstance(sync, Mapping) or "mode" not in sync:
+        return []
+    choice = sync.get("auto")
+    if isinstance(choice, Mapping):
+        mode, h = choice.get("mode"), choice.get("inner_steps")
+        return [Decision("sync", f"{mode}" + (f", an outer step every {h} steps" if mode != "step" else ""), 0,
+                         str(choice.get("why", "")), f"sync=SyncConfig(mode={mode!r}, inner_steps={h})",
+                         figures={k: v for k, v in choice.items() if k != "why"})]
+    mode = str(sync["mode"])
+    if mode.startswith("auto"):
+        return [Decision("sync", "step (auto's trial not finished)", 0, "the run ended before auto's timed steps",
+                         "sync='step'")]
+    return [Decision("sync", mode, 0, "every step's gradients are all-reduced (DDP)" if mode == "step"
+                     else f"sync={mode!r} was set", f"sync={mode!r}", by="poise" if mode == "step" else "you")]
+
+
+def _straggler(report: Mapping[str, Any]) -> list[Decision]:
+    per_rank = report.get("straggler")
+    if not isinstance(per_rank, list):
+        return []
+    on = any(isinstance(r, Mapping) for r in per_rank)
+    return [Decision("straggler", "deadline steps" if on else "off", 0,
+                     "straggler mode was set" if on else "no deadline steps: every rank finishes its share",
+                     "straggler='deadline'" if not on else "straggler='off'", by="you" if on else "poise")]
+
+
+__all__ = ["MOVES", "SPLITS", "Decision", "decisions", "describe"]

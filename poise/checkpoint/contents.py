@@ -22,7 +22,7 @@ import torch
 
 from poise.checkpoint import layout
 from poise.checkpoint.layout import CorruptCheckpoint
-from poise.checkpoint.state import rank_problem, shared_problem, tensor_problems
+from poise.checkpoint.state import rank_problem, shared_problem, sync_disagreement, tensor_problems
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,17 @@ def check_contents(root: Path, name: str, manifest: dict[str, Any]) -> None:
         problem = shared_problem(layout.load_file(root / name / "state.pt"), step, world)
         if problem:
             raise CorruptCheckpoint(f"{name}/state.pt is not a training state: {problem}")
+        comms = []
         for rank in range(world):
             current = layout.rank_file(rank)
-            problem = rank_problem(layout.load_file(root / name / current), step)
+            per_rank = layout.load_file(root / name / current)
+            problem = rank_problem(per_rank, step)
             if problem:
                 raise CorruptCheckpoint(f"{name}/{current} is not a rank's training state: {problem}")
+            comms.append(per_rank["session"]["comm"])
+        disagreement = sync_disagreement(comms)
+        if disagreement:
+            raise CorruptCheckpoint(f"{name}: the ranks' states disagree: {disagreement}")
     except CorruptCheckpoint:
         raise
     except Exception as exc:  # whatever a crafted file makes torch.load or a decoder raise

@@ -145,6 +145,80 @@ def shared_problem(shared: Any, step: int, world_size: int) -> str:
         return "optim_scalars has a key that is not <parameter index>/<name>"
     if not isinstance(shared.get("in_window", False), bool):
         return "in_window is not true or false"
+    return sync_problem(shared["session"].get("comm_shared"), "session.comm_shared")
+
+
+# The step counters of a sync strategy's state (poise.sync: the outer-step strategies' rounds,
+# torch's and torchft's local SGD, the comm hook's step) and the least each may be: every
+# rank holds them alike, and a resume divides by, indexes with or waits for them. A checkpoint
+# that matches its checksums may still hold any value; these are checked before a resume uses one.
+_SYNC_COUNTERS = {"steps": 0, "outer_steps": 0, "inner_steps": 1, "warmup_left": 0, "local_step": 0,
+                  "inner_steps_done": 0, "outer_steps_done": 0, "iter": 0, "averager_step": 0, "averages": 0,
+                  "step": 0}
+_MAX_COUNT = 1 << 53  # more steps than any run takes (and exact in a float)
+
+
+def sync_problem(comm: Any, where: str) -> str:
+    """What keeps a sync strategy's saved state ``comm`` (a rank's ``session.comm``, or the shared
+    ``comm_shared``) from being resumed ('' when nothing): a counter that is not a count in
+    range (an outer round of 0 inner steps divides by zero; a negative step count waits for
+    steps no rank takes), outer parameters or momentum that are not finite, a pending outer
+    all-reduce of a fragment the model does not have."""
+    if comm is None:
+        return ""
+    if not isinstance(comm, dict):
+        return f"{where} is a {type(comm).__name__}, not a table"
+    for key, low in _SYNC_COUNTERS.items():
+        if key in comm and not (_is_int(comm[key]) and low <= comm[key] <= _MAX_COUNT):
+            return f"{where}.{key} is {str(comm[key])[:40]}: not a count from {low} to {_MAX_COUNT}"
+    for key in ("global", "momenta", "local"):
+        if key in comm:
+            value = comm[key]
+            if not isinstance(value, list) or not all(isinstance(t, torch.Tensor) for t in value):
+                return f"{where}.{key} is not a list of tensors"
+            if not all(bool(torch.isfinite(t).all()) for t in value if t.is_floating_point()):
+                return f"{where}.{key} holds a value that is not finite (NaN or infinite)"
+    fragments = len(comm["global"]) if isinstance(comm.get("global"), list) else 0
+    pending = comm.get("pending", [])
+    if not isinstance(pending, list):
+        return f"{where}.pending is not a list"
+    for entry in pending:
+        if not isinstance(entry, dict) or not _is_int(entry.get("fragment")) \
+                or not 0 <= entry["fragment"] < fragments:
+            named = entry.get("fragment") if isinstance(entry, dict) else entry
+            return f"{where}.pending names fragment {str(named)[:40]}: the state has {fragments}"
+        if not _is_int(entry.get("apply_after")) or not 0 <= entry["apply_after"] <= _MAX_COUNT:
+            return f"{where}.pending's apply_after {str(entry.get('apply_after'))[:40]} is not a count of steps"
+        result = entry.get("result")
+        if result is not None and (not isinstance(result, torch.Tensor)
+                                   or (result.is_floating_point() and not bool(torch.isfinite(result).all()))):
+            return f"{where}.pending holds a result that is not a finite tensor"
+    tokens = comm.get("tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                               and 0 <= t < float("inf") for t in tokens):
+        return f"{where}.tokens is not a list of token counts"
+    return ""
+
+
+def sync_disagreement(comms: list[Any]) -> str:
+    """Where the ranks' saved sync states (``session.comm`` of rank 0, 1, ...) differ in what every
+    rank holds alike ('' when nowhere): their step counters and pending outer all-reduces. A
+    rank resumed with another round length would launch other collectives than its peers."""
+    def alike(comm: Any) -> dict[str, Any]:
+        if not isinstance(comm, dict):
+            return {}
+        out = {key: comm[key] for key in _SYNC_COUNTERS if key in comm}
+        if isinstance(comm.get("pending"), list):
+            out["pending"] = [(p.get("fragment"), p.get("apply_after")) for p in comm["pending"] if isinstance(p, dict)]
+        return out
+
+    first = alike(comms[0]) if comms else {}
+    for rank, comm in enumerate(comms[1:], start=1):
+        mine = alike(comm)
+        for key in sorted(set(first) | set(mine)):
+            if first.get(key) != mine.get(key):
+                return (f"session.comm.{key} is {str(mine.get(key))[:40]} on rank {rank} but "
+                        f"{str(first.get(key))[:40]} on rank 0 (every rank holds it alike)")
     return ""
 
 
@@ -177,6 +251,9 @@ def rank_problem(per_rank: Any, step: int) -> str:
     session = per_rank.get("session")
     if not isinstance(session, dict) or not set(RANK_KEYS) <= set(session):
         return f"session lacks one of {', '.join(RANK_KEYS)}"
+    problem = sync_problem(session["comm"], "session.comm")
+    if problem:
+        return problem
     own_optim = per_rank.get("optim")
     if own_optim is not None and (not isinstance(own_optim, dict) or not isinstance(own_optim.get("state"), dict)):
         return "optim is not an optimizer state"

@@ -69,3 +69,40 @@ def test_a_rank_state_with_an_rng_of_the_wrong_length_does_not_verify(tmp_path, 
     _rewrite(path, layout.rank_file(0), state)
     with pytest.raises(layout.CorruptCheckpoint, match=f"rank-00000.pt is not a rank's training state: rng.{which}"):
         contents.verify_loadable(root, path.name)
+
+
+def _outer(**change: object) -> dict:
+    """A rank's saved outer-step (DiLoCo) state of the shape poise.sync.OuterSync saves."""
+    comm = {"inner": {"step": 0, "codec": {}}, "steps": 8, "outer_steps": 2, "inner_steps": 4, "per_step": False,
+            "choice": None, "warmup_left": 0, "local": [torch.zeros(3)], "global": [torch.zeros(3)],
+            "momenta": [torch.zeros(3)], "tokens": [10.0], "in_sync": [False], "codec": {},
+            "pending": [{"fragment": 0, "apply_after": 9, "result": None}]}
+    return {**comm, **change}
+
+
+@pytest.mark.parametrize(("rank1", "rank0", "message"), [
+    (_outer(momenta=[torch.tensor([0.0, float("nan"), 0.0])]), None,
+     "rank-00001.pt is not a rank's training state: session.comm.momenta holds a value that is not finite"),
+    (_outer(inner_steps=0), _outer(inner_steps=0),
+     "rank-00000.pt is not a rank's training state: session.comm.inner_steps is 0: not a count from 1"),
+    (_outer(pending=[{"fragment": 99, "apply_after": 9, "result": None}]), None,
+     "rank-00001.pt is not a rank's training state: session.comm.pending names fragment 99: the state has 1"),
+    (_outer(steps=-1000), _outer(steps=-1000),
+     "rank-00000.pt is not a rank's training state: session.comm.steps is -1000: not a count from 0"),
+    (_outer(inner_steps=7), None,
+     "the ranks' states disagree: session.comm.inner_steps is 7 on rank 1 but 4 on rank 0"),
+], ids=["nan-momentum", "zero-inner-steps", "fragment-99", "negative-steps", "one-rank-inner-steps"])
+def test_outer_step_state_a_resume_cannot_use_does_not_verify(tmp_path, monkeypatch, rank1, rank0, message):
+    """Issue 57, item 13: each verified, then failed at the first step, hung, or trained the
+    ranks apart (exit 0 with different weights)."""
+    monkeypatch.setenv(JOB_KEY_ENV, "5ec7e7" * 4)
+    root = tmp_path / "checkpoints"
+    savers = _two_ranks(root)[:2]
+    for rank in (1, 0):
+        state = _state(_model(), 1)
+        state.shared["world_size"] = 2
+        state.per_rank["session"] = {"rank": rank, "window": None, "comm": (rank0 or _outer()) if rank == 0 else rank1}
+        savers[rank].save(state)
+    with pytest.raises(layout.CorruptCheckpoint) as err:
+        contents.verify_loadable(root, "step-00000001")
+    assert str(err.value).startswith("step-00000001") and message in str(err.value), str(err.value)

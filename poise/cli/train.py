@@ -170,6 +170,12 @@ def record_config(args: argparse.Namespace,
         overwrite = getattr(args, "overwrite", False)
         check_out_dir(Path(config.out_dir), resume=config.checkpoint.resume, overwrite=overwrite)
     config = cfg.from_dict(cfg.merge(cfg.to_dict(config), {"out_dir": out_dir}))
+    if config.diagnostics.record_samples:  # cut back (resume) or emptied (overwrite) by the workers
+        from poise.train.samples import record_problem
+
+        problem = record_problem(Path(out_dir))
+        if problem:
+            raise ValueError(f"{problem}: remove it, or give another --out")
     if config.checkpoint.resume:
         check_resumable(config)
     else:

@@ -10,6 +10,8 @@ describe the run whose model you hold.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -28,11 +30,48 @@ def keep_steps_before(path: Path, step: int) -> None:
     many restarts, which took seconds to parse and rewrite at every restart). A last line cut
     short by a killed process is dropped. One truncation: a crash leaves the record either cut
     or whole, and a whole one is cut again by the next resume."""
-    with open(path, "rb+") as handle:
+    with os.fdopen(_open_record(path, os.O_RDWR), "rb+") as handle:
         size = handle.seek(0, 2)
         keep = _end_of_steps_before(handle, size, step)
         if keep < size:
             handle.truncate(keep)
+
+
+def record_problem(out_dir: Path) -> str:
+    """Why the sample records in ``out_dir`` cannot be cut back and appended to ('' when they
+    can): ``samples`` or a ``rank-*.jsonl`` in it that is a symbolic link or not a regular file.
+    A resume truncates every record, and through a link it would truncate whatever the link
+    points to."""
+    directory = out_dir / "samples"
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        return f"{str(directory)!r} is {'a symbolic link' if directory.is_symlink() else 'not a directory'}"
+    if not directory.is_dir():
+        return ""
+    for path in sorted(directory.glob("rank-*.jsonl")):
+        if path.is_symlink() or not path.is_file():
+            what = "a symbolic link" if path.is_symlink() else "not a regular file"
+            return f"sample record {str(path)!r} is {what}: poise writes only regular files there"
+    return ""
+
+
+def _open_record(path: Path, flags: int) -> int:
+    """Open a sample record (creating it with ``O_CREAT`` in ``flags``) without following a
+    symbolic link, and only if it is a regular file (a FIFO would block, a device never end).
+
+    Raises:
+        ValueError: it is a link or not a regular file, in one line.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if path.is_symlink():
+            raise ValueError(f"sample record {str(path)!r} is a symbolic link: poise writes only regular files "
+                             "there") from None
+        raise ValueError(f"sample record {str(path)!r} cannot be opened: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"sample record {str(path)!r} is not a regular file: poise writes only regular files there")
+    return fd
 
 
 def _end_of_steps_before(handle: IO[bytes], size: int, step: int) -> int:
@@ -82,11 +121,15 @@ class SampleLog:
         """Rank 0 cuts every record back to ``start_step`` (a collective: call on every rank)."""
         directory = out_dir / "samples"
         if ctx.is_main:
+            problem = record_problem(out_dir)
+            if problem:
+                raise ValueError(problem)
             directory.mkdir(parents=True, exist_ok=True)
             for path in directory.glob("rank-*.jsonl"):
                 keep_steps_before(path, start_step)
         dist.barrier()
-        return cls(open(directory / f"rank-{ctx.rank:05d}.jsonl", "a"))
+        fd = _open_record(directory / f"rank-{ctx.rank:05d}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return cls(os.fdopen(fd, "a"))
 
     def write(self, step: int, epoch: int, indices: np.ndarray) -> None:
         self.handle.write(json.dumps({"step": step, "epoch": epoch, "indices": [int(i) for i in indices]}) + "\n")

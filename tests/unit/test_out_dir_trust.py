@@ -1,0 +1,40 @@
+"""Files in a job's output directory and settings that a job took on trust (issue 57, items 14,
+15, 17, 19, 20): each is refused in one line with exit 2 before anything trains or is
+truncated, or made harmless."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from poise.cli import main
+from poise.train.samples import keep_steps_before, record_problem
+
+
+def _train(out: Path, *flags: str) -> int:
+    return main(["train", "--task", "digits", "--steps", "1", "--out", str(out), *flags])
+
+
+# -- item 15: a symlinked sample record --------------------------------------------------------
+
+
+def test_a_symlinked_sample_record_is_refused_and_its_target_kept(tmp_path, capsys):
+    out, target = tmp_path / "out", tmp_path / "precious.txt"
+    (out / "samples").mkdir(parents=True)
+    target.write_text("x" * 21_000)
+    (out / "samples" / "rank-00000.jsonl").symlink_to(target)
+    assert _train(out, "--overwrite", "--diagnostics.record_samples", "true") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("poise train: error: sample record ") \
+        and "rank-00000.jsonl' is a symbolic link" in err[0], err
+    assert target.stat().st_size == 21_000
+    with pytest.raises(ValueError, match="is a symbolic link"):  # the worker's own check, behind the command's
+        keep_steps_before(out / "samples" / "rank-00000.jsonl", 0)
+    assert target.stat().st_size == 21_000
+
+
+def test_a_samples_folder_that_is_a_link_is_named(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "samples").symlink_to(tmp_path / "elsewhere")
+    assert record_problem(tmp_path).endswith("samples' is a symbolic link")

@@ -58,10 +58,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
-def _exact(rank: int, world_size: int, comm: str, accum_steps: int) -> dict:
-    data = poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_cost=world_size * 6 * 20.0, accum_steps=accum_steps,
-                      dataset=Sequences())
-    session = poise.Session(_model(), data, balance="cost",
+def _exact(rank: int, world_size: int, comm: str, accum_steps: int, balance: str = "cost") -> dict:
+    budget = {"batch_size": 6} if balance == "auto" else {"batch_cost": world_size * 6 * 20.0}
+    data = poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, accum_steps=accum_steps, dataset=Sequences(), **budget)
+    session = poise.Session(_model(), data, balance=balance,
                             comm=poise.CommConfig(codec=comm, start_step=0, error_feedback=False))
     session.sampler.set_speeds([1.0, 3.0])  # rank 1 "three times faster": it gets about 3x the cost
     loader = session.dataloader(Sequences(), collate_fn=collate)
@@ -76,14 +76,21 @@ def _exact(rank: int, world_size: int, comm: str, accum_steps: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("comm", "accum_steps", "rtol"), [("none", 1, 1e-5), ("none", 2, 1e-5), ("fp16", 1, 3e-3)])
-def test_unequal_batches_give_the_gradient_of_the_whole_step(comm, accum_steps, rtol):
+@pytest.mark.parametrize(("comm", "accum_steps", "rtol", "balance"),
+                         [("none", 1, 1e-5, "cost"), ("none", 2, 1e-5, "cost"), ("fp16", 1, 3e-3, "cost"),
+                          ("none", 2, 1e-5, "auto")])
+def test_unequal_batches_give_the_gradient_of_the_whole_step(comm, accum_steps, rtol, balance):
     """The gradient after step.backward equals a single process's gradient of the whole step's
-    batch (with accumulation: the mean over the window's micro-steps of each one's)."""
-    results = run_ranks(_exact, world_size=2, timeout_s=90, comm=comm, accum_steps=accum_steps)
+    batch (with accumulation: the mean over the window's micro-steps of each one's); under
+    ``auto`` the steps are plain DDP's own (the same samples) split by speed."""
+    results = run_ranks(_exact, world_size=2, timeout_s=90, comm=comm, accum_steps=accum_steps, balance=balance)
     steps = results[0]["steps"]
     assert steps == results[1]["steps"]  # every rank planned the same steps
     assert any(len(a) != len(b) for a, b in steps)  # the batches really are unequal
+    if balance == "auto":  # DDP's steps: the samples DistributedSampler gives plain DDP
+        ddp = make_sampler("static", LENGTHS, rank=0, world_size=2, batch_size=6)
+        assert [sorted(i for b in s for i in b) for s in steps] == \
+            [sorted(np.concatenate(ddp.global_batches(j)).tolist()) for j in range(len(steps))]
     reference = _model()
     for batches in steps:
         everything = [i for b in batches for i in b]
@@ -125,6 +132,9 @@ def test_finish_writes_the_report_trace_and_plot_of_every_rank(tmp_path: Path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["tid"] for e in trace["traceEvents"]} == {0, 1}
     assert report["steps"] == 30 and report["world_size"] == 2 and report["mine"] == "kept"
+    knobs = {d["knob"]: d for d in report["decisions"]}  # every choice in force, said with its reason and pin
+    assert knobs["balance"]["by"] == "you" and knobs["balance"]["pin"] == "balance='dynamic'"
+    assert knobs["comm.codec"]["choice"] == "fp16" and knobs["sync"]["choice"] == "step"
     for key in ("balance", "idle_fraction", "comm_fraction", "throughput_tokens_per_s"):
         assert np.isfinite(report[key])
     assert [r["rank"] for r in report["per_rank"]] == [0, 1]

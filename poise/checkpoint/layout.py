@@ -66,6 +66,9 @@ OLD_PREFIX = ".old-"
 # recursion. A manifest lists every tensor (~200 bytes each) and nests 5 levels deep.
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_MANIFEST_DEPTH = 16
+# The most ranks a checkpoint may name (as many as poise plans for): a world size is looped
+# over (one file per rank) before anything else is read, so a crafted one must be bounded.
+MAX_WORLD_SIZE = 1 << 20
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
@@ -189,7 +192,8 @@ def _is_int(value: Any, low: int) -> bool:
 def manifest_problem(name: str, manifest: dict[str, Any]) -> str:
     """What is wrong with the shape of checkpoint ``name``'s manifest ('' when nothing).
 
-    Checked: ``step`` (the folder's), ``kind``, ``world_size``; ``files``: plain names inside
+    Checked: ``step`` (the folder's), ``kind``, ``world_size`` (at most :data:`MAX_WORLD_SIZE`
+    and the number of files); ``files``: plain names inside
     the folder, each with ``bytes`` and ``sha256``; ``bases``: names ``step-NNNNNNNN`` including
     this one; ``tensors``: per group, entries whose ``in`` and deltas' ``in`` are among the
     bases; and the fit-check fields (``config``, ``config_hash``, ``params``).
@@ -200,11 +204,14 @@ def manifest_problem(name: str, manifest: dict[str, Any]) -> str:
         return f"step {step!r} is not this folder's"
     if manifest.get("kind") not in ("full", "differential"):
         return f"kind {manifest.get('kind')!r} is not full or differential"
-    if not _is_int(manifest.get("world_size"), 1):
-        return f"world_size {manifest.get('world_size')!r} is not a positive integer"
+    world = manifest.get("world_size")
+    if not _is_int(world, 1) or world > MAX_WORLD_SIZE:
+        return f"world_size {str(world)[:40]} is not a number of ranks from 1 to {MAX_WORLD_SIZE}"
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         return "files is not a non-empty object"
+    if world > len(files):  # every rank writes a file: a larger world is not this checkpoint's
+        return f"world_size {world} is more than the {len(files)} files it lists (one per rank at least)"
     for file, entry in files.items():
         if not _FILE_NAME.match(file):
             return f"file name {file!r} is not a plain name inside the folder"

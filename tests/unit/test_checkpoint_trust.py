@@ -4,6 +4,8 @@ verifies but cannot be resumed, a manifest's world size."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,9 @@ import torch.distributed as dist
 
 from poise.checkpoint import contents, layout
 from poise.checkpoint.saver import _TOKEN_KEY, Checkpointer
+from poise.cli.checkpoint import run_verify
 from poise.runtime.launcher import JOB_KEY_ENV
+from tests.bounded import run_bounded
 from tests.unit.test_checkpoint import _config, _model, _state
 from tests.unit.test_checkpoint_attacks import _rewrite
 from tests.unit.test_checkpoint_safety import _save
@@ -106,3 +110,16 @@ def test_outer_step_state_a_resume_cannot_use_does_not_verify(tmp_path, monkeypa
     with pytest.raises(layout.CorruptCheckpoint) as err:
         contents.verify_loadable(root, "step-00000001")
     assert str(err.value).startswith("step-00000001") and message in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("world", [10**12, 2**70, 5], ids=["1e12", "2^70", "more-than-files"])
+def test_a_world_size_past_the_files_listed_is_refused_at_once(tmp_path, world):
+    """Issue 57, item 16: 10^12 ran 71 s to a MemoryError at 3.4 GB, 2^70 hung (verify and --resume)."""
+    root = tmp_path / "checkpoints"
+    _save(root, [1])
+    manifest = json.loads((root / "step-00000001" / layout.MANIFEST).read_text())
+    manifest["world_size"] = world
+    (root / "step-00000001" / layout.MANIFEST).write_text(json.dumps(manifest))
+    outcome = run_bounded(run_verify, argparse.Namespace(dir=str(root)), memory_bytes=256 << 20, timeout_s=20)
+    assert outcome.kind == "ok" and outcome.value == 1, outcome.describe()
+    assert "world_size" in outcome.err and outcome.err.count("\n") == 1, outcome.err

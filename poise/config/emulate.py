@@ -153,8 +153,9 @@ class DelaySpec:
 class EmulateConfig:
     """What to emulate: slower or noisy ranks, injected delays, a slow input pipeline, a failure."""
 
-    rank_speed: str = setting("", "emulated heterogeneity, RANK:SPEED[@STEP],... with SPEED in [0.01, 1], e.g. '1:0.5' "
-                              "or '1:0.5@80' (slowed from step 80 on)")
+    rank_speed: str = setting("", "emulated heterogeneity, RANK:SPEED[@STEP[-END]],... with SPEED in [0.01, 1], e.g. "
+                              "'1:0.5', '1:0.5@80' (slowed from step 80 on) or '1:0.5@80-160' (and back to full "
+                              "speed at step 160)")
     speed_noise: float = setting(0.0, "emulated noise: every rank's compute in every step is stretched by 1 + X, "
                                  "X exponential with this mean (sleeps; 0 = none)")
     speed_noise_steps: int = setting(1, "emulated noise: steps in a row that share one draw of X (bursts of "
@@ -189,24 +190,26 @@ class EmulateConfig:
         self.delay_spec()
         self.rank_step()
 
-    def rank_speeds(self) -> dict[int, tuple[float, int]]:
+    def rank_speeds(self) -> dict[int, tuple[float, int, int | None]]:
         """``rank_speed`` parsed: rank -> (speed factor in (0, 1], 1 = full speed; the step it
-        applies from, 0 = from the start)."""
-        speeds: dict[int, tuple[float, int]] = {}
+        applies from, 0 = from the start; the step it ends at, back to full speed, or None)."""
+        speeds: dict[int, tuple[float, int, int | None]] = {}
         for item in filter(None, (p.strip() for p in self.rank_speed.split(","))):
             rank, sep, rest = item.partition(":")
-            speed, at, step = rest.partition("@")
+            speed, at, steps = rest.partition("@")
+            start, dash, end = steps.partition("-")
             try:
-                r, s, k = int(rank), float(speed), int(step) if at else 0
+                r, s, k = int(rank), float(speed), int(start) if at else 0
+                until = int(end) if dash else None
             except ValueError:
-                r, s, k = -1, float("nan"), 0
-            if not sep or r < 0 or k < 0:
-                raise ValueError(f"{_key('rank_speed')} item {item!r} is invalid: give RANK:SPEED or "
-                                 "RANK:SPEED@STEP, e.g. 1:0.5 or 1:0.5@80")
+                r, s, k, until = -1, float("nan"), 0, None
+            if not sep or r < 0 or k < 0 or (until is not None and until <= k):
+                raise ValueError(f"{_key('rank_speed')} item {item!r} is invalid: give RANK:SPEED, RANK:SPEED@STEP or "
+                                 "RANK:SPEED@STEP-END (END after STEP), e.g. 1:0.5, 1:0.5@80 or 1:0.5@80-160")
             if not MIN_RANK_SPEED <= s <= 1.0:
                 raise ValueError(f"{_key('rank_speed')}: speed {speed!r} of rank {r} is outside "
                                  f"[{MIN_RANK_SPEED:g}, 1] (1 = full speed)")
-            speeds[r] = (s, k)
+            speeds[r] = (s, k, until)
         return speeds
 
     def delay_spec(self) -> DelaySpec:

@@ -62,7 +62,8 @@ class Emulation:
     def describe(self) -> dict[str, Any]:
         """This rank's emulated slowness, for the report (speed 1.0, method 'none': not slowed)."""
         s = self.slowdown
-        return {"speed": s.speed, "method": s.method, "from_step": s.from_step, "noise": s.noise}
+        return {"speed": s.speed, "method": s.method, "from_step": s.from_step, "until_step": s.until_step,
+                "noise": s.noise}
 
 
 def emulation_for(config: EmulateConfig, *, rank: int, threads: int, seed: int) -> Emulation:

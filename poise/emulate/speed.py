@@ -61,6 +61,7 @@ class Slowdown:
     speed: float = 1.0
     method: str = "none"
     from_step: int = 0  # slowed from this step on
+    until_step: int | None = None  # ... and back to full speed from this step (None: to the end)
     noise: float = 0.0  # mean of the per-step exponential stretch X (0: none)
     noise_steps: int = 1  # steps that share one draw of X (bursts)
     seed: int = 0
@@ -73,11 +74,12 @@ class Slowdown:
     _lowered: bool = field(default=False, repr=False)  # cgroup: the quota is the slowed one
 
     def begin_step(self, step: int) -> None:
-        """Set this step's slowness: the speed once ``from_step`` is reached, and the noise."""
-        slowed = self.speed < 1.0 and step >= self.from_step
-        if self.method == "cgroup" and slowed and self.group is not None and not self._lowered:
-            _set_quota(self.group, self.speed * self.threads)  # from_step reached (or a resumed run past it)
-            self._lowered = True
+        """Set this step's slowness: the speed from ``from_step`` until ``until_step``, and the noise."""
+        slowed = self.speed < 1.0 and self.from_step <= step and (self.until_step is None or step < self.until_step)
+        if self.method == "cgroup" and self.group is not None and slowed != self._lowered:
+            # from_step reached (or a resumed run past it), or until_step: the quota follows
+            _set_quota(self.group, (self.speed if slowed else 1.0) * self.threads)
+            self._lowered = slowed
         factor = 1.0 / self.speed if self.method == "sleep" and slowed else 1.0
         if self.noise > 0:
             factor *= 1.0 + float(np.random.default_rng([self.seed, step // self.noise_steps]).exponential(self.noise))
@@ -208,15 +210,16 @@ def remove_stale_groups() -> list[Path]:
     return removed
 
 
-def apply_slowdown(rank: int, rank_speeds: dict[int, tuple[float, int]], method: str, threads: int,
+def apply_slowdown(rank: int, rank_speeds: dict[int, tuple[float, int, int | None]], method: str, threads: int,
                    noise: float = 0.0, seed: int = 0, noise_steps: int = 1) -> Slowdown:
-    """Slow this rank as configured (``rank_speeds``: rank -> (speed, from step); ``method`` auto,
+    """Slow this rank as configured (``rank_speeds``: rank -> (speed, from step, until step or
+    None); ``method`` auto,
     cgroup or sleep); returns what runs. Call :meth:`Slowdown.begin_step` at every step.
 
     Raises:
         OSError: when ``method='cgroup'`` was asked for and cgroups cannot be written.
     """
-    speed, from_step = rank_speeds.get(rank, (1.0, 0))
+    speed, from_step, until_step = rank_speeds.get(rank, (1.0, 0, None))
     noisy = {"noise": noise, "seed": seed * 1000 + rank, "noise_steps": noise_steps}
     if speed >= 1.0:
         return Slowdown(**noisy)
@@ -232,7 +235,8 @@ def apply_slowdown(rank: int, rank_speeds: dict[int, tuple[float, int]], method:
         else:
             log.warning("rank %d runs at emulated speed %.2f from step %d: CPU quota %.2f CPUs in %s", rank, speed,
                         from_step, speed * threads, group)
-            return Slowdown(speed, "cgroup", from_step, threads=threads, group=group, _lowered=lowered, **noisy)
+            return Slowdown(speed, "cgroup", from_step, until_step, threads=threads, group=group, _lowered=lowered,
+                            **noisy)
     log.warning("rank %d runs at emulated speed %.2f from step %d: sleeping in proportion to its compute", rank,
                 speed, from_step)
-    return Slowdown(speed, "sleep", from_step, **noisy)
+    return Slowdown(speed, "sleep", from_step, until_step, **noisy)

@@ -59,11 +59,24 @@ def test_speed_noise_stretches_every_step_by_a_seeded_exponential(sleeps):
     assert min(extras) >= 0 and abs(sum(extras) / len(extras) - 0.3) < 0.05  # mean inflation 30 %
 
 
+def test_a_rank_slowed_for_a_span_of_steps_recovers_at_its_end(sleeps):
+    slow = Slowdown(speed=0.5, method="sleep", from_step=80, until_step=160)
+    for step in (79, 80, 159, 160):
+        slow.begin_step(step)
+        slow.mark_s = slowdown.time.perf_counter()
+        slow.stretch()
+    assert sleeps == [pytest.approx(0.02)] * 2  # slowed at 80 and 159 only
+
+
 def test_rank_speed_with_a_start_step_parses():
     from poise.config import EmulateConfig
 
-    assert EmulateConfig(rank_speed="1:0.5@80,0:0.9").rank_speeds() == {1: (0.5, 80), 0: (0.9, 0)}
-    with pytest.raises(ValueError, match=r"give RANK:SPEED or RANK:SPEED@STEP"):
+    assert EmulateConfig(rank_speed="1:0.5@80,0:0.9").rank_speeds() == {1: (0.5, 80, None), 0: (0.9, 0, None)}
+    assert EmulateConfig(rank_speed="1:0.5@80-160").rank_speeds() == {1: (0.5, 80, 160)}
+    for bad in ("1:0.5@80-80", "1:0.5@80-x", "1:0.5@-3"):
+        with pytest.raises(ValueError, match="RANK:SPEED@STEP-END"):
+            EmulateConfig(rank_speed=bad)
+    with pytest.raises(ValueError, match=r"give RANK:SPEED, RANK:SPEED@STEP"):
         EmulateConfig(rank_speed="1:0.5@x")
 
 

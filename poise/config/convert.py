@@ -192,17 +192,51 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
+        return _toml_string(value)
     raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def _toml_string(text: str) -> str:
+    r"""``text`` as a TOML basic string of ASCII characters: ``\``, ``"`` and control characters
+    escaped, everything past ASCII as ``\uXXXX`` or ``\UXXXXXXXX`` (JSON's escapes would write a
+    character outside the Basic Multilingual Plane as two surrogate escapes, which TOML refuses:
+    every worker then failed to read the config).
+
+    Raises:
+        ValueError: ``text`` holds a lone surrogate (a path's bytes that are not UTF-8), which no
+            TOML file can hold.
+    """
+    out = []
+    for char in text:
+        code = ord(char)
+        if char in '"\\':
+            out.append("\\" + char)
+        elif 0x20 <= code < 0x7F:
+            out.append(char)
+        elif 0xD800 <= code <= 0xDFFF:
+            raise ValueError(f"{text[:200]!r} holds bytes that are not UTF-8 text: a config can hold only "
+                             "Unicode text (rename the path, or give another)")
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04X}")
+        else:
+            out.append(f"\\U{code:08X}")
+    return '"' + "".join(out) + '"'
 
 
 def dumps(config: RunConfig) -> str:
     """The config as TOML text (top-level keys first, then one table per section)."""
     data = to_dict(config)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+
+    def line(key: str, value: Any, section: str = "") -> str:
+        try:
+            return f"{key} = {_toml_value(value)}"
+        except ValueError as exc:
+            raise ValueError(f"{section + '.' if section else ''}{key}: {exc}") from None
+
+    lines = [line(k, v) for k, v in data.items() if not isinstance(v, dict)]
     for section, values in data.items():
         if isinstance(values, dict):
-            lines += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+            lines += ["", f"[{section}]"] + [line(k, v, section) for k, v in values.items()]
     return "\n".join(lines) + "\n"
 
 

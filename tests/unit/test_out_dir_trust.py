@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from poise import config as cfg
 from poise.cli import main
 from poise.train.samples import keep_steps_before, record_problem
 
@@ -38,3 +39,23 @@ def test_a_samples_folder_that_is_a_link_is_named(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "samples").symlink_to(tmp_path / "elsewhere")
     assert record_problem(tmp_path).endswith("samples' is a symbolic link")
+
+
+# -- item 14: characters outside the Basic Multilingual Plane in a setting ---------------------
+
+
+def test_a_config_with_an_emoji_in_its_paths_and_strings_reads_back_as_written(tmp_path):
+    out = tmp_path / "runs \U0001f680 é"
+    cache = str(tmp_path / "c\U0001f600\"\\")
+    config = cfg.from_dict({"out_dir": str(out), "task": {"name": "digits", "cache_dir": cache},
+                            "train": {"frozen": "emb\U0001f9ea"}})
+    path = cfg.save(config, tmp_path / "config.toml")
+    assert (tmp_path / "config.toml").read_bytes().isascii()
+    back = cfg.load(path)  # what every worker does first
+    assert back == config and cfg.config_hash(back) == cfg.config_hash(config)
+
+
+def test_a_path_that_is_not_utf8_is_named_in_one_line(tmp_path):
+    config = cfg.from_dict({"out_dir": str(tmp_path / "bad\udcff"), "task": {"name": "digits"}})
+    with pytest.raises(ValueError, match=r"^out_dir: .* holds bytes that are not UTF-8 text"):
+        cfg.save(config, tmp_path / "config.toml")

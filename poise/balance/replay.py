@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +27,39 @@ from poise.balance.rebalance import Replan
 from poise.balance.sampler import BalancedBatchSampler
 
 MAX_REPLAY_BYTES = 64 << 20  # a report of a very long run is a few MB
+MAX_STEP = 1 << 53  # more steps than any run takes
 
 
-def load_replans(path: str | Path, world_size: int) -> list[Replan]:
+def load_replans(path: str | Path, world_size: int | None) -> list[Replan]:
     """The re-plans recorded in ``path`` (a report.json, or a JSON list of its ``replans``
-    entries), in step order, checked for ``world_size`` ranks.
+    entries), in step order, checked for ``world_size`` ranks (any number when None: the
+    command checks the file before it knows the world size of an elastic job).
+
+    Only a regular file is read, and at most :data:`MAX_REPLAY_BYTES` of it: ``/dev/zero``
+    would be read until memory ran out, and a FIFO waited on forever.
 
     Raises:
         ValueError: one line naming the file and what is wrong with it.
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_REPLAY_BYTES:
-            raise ValueError(f"balance.replay={str(path)!r} is {size} bytes: at most {MAX_REPLAY_BYTES} are read")
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO is refused below, not waited on
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"balance.replay={str(path)!r} is not a regular file: give a run's report.json")
+            data = handle.read(MAX_REPLAY_BYTES + 1)
+        if len(data) > MAX_REPLAY_BYTES:
+            raise ValueError(f"balance.replay={str(path)!r} is larger than {MAX_REPLAY_BYTES} bytes: not a "
+                             "report.json")
+        data = json.loads(data.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"balance.replay={str(path)!r} is not a readable JSON file: "
-                         f"{type(exc).__name__}: {exc}".splitlines()[0]) from None
+                         f"{type(exc).__name__}: {exc}".splitlines()[0][:300]) from None
+    except ValueError as exc:  # not JSON, or an integer past Python's digit limit
+        if str(exc).startswith("balance.replay="):
+            raise
+        raise ValueError(f"balance.replay={str(path)!r} is not a readable JSON file: "
+                         f"{type(exc).__name__}: {exc}".splitlines()[0][:300]) from None
     entries = data.get("replans") if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"balance.replay={str(path)!r} holds no re-plans: give the report.json of a run with "
@@ -59,17 +76,18 @@ def _replan(path: Path, i: int, entry: Any, world_size: int) -> Replan:
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is a {type(entry).__name__}, not an object")
     step, shares, alpha, alphas = entry.get("step"), entry.get("shares"), entry.get("alpha"), entry.get("rank_alphas")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"{where}: step {step!r} is not a count of steps")
-    if (not isinstance(shares, list) or len(shares) != world_size
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"{where}: step {str(step)[:40]} is not a count of steps (0 to {MAX_STEP})")
+    ranks = world_size if world_size is not None else len(shares) if isinstance(shares, list) else 0
+    if (not isinstance(shares, list) or not shares or len(shares) != ranks
             or not all(_positive(s) for s in shares)):
-        raise ValueError(f"{where}: shares {shares!r} are not {world_size} positive numbers (a run with "
-                         f"{world_size} ranks)")
+        raise ValueError(f"{where}: shares {str(shares)[:80]} are not {ranks or 'some'} positive numbers (a run "
+                         f"with {ranks or 'that many'} ranks)")
     if alpha is not None and not (_positive(alpha) or alpha == 0):
-        raise ValueError(f"{where}: alpha {alpha!r} is not a number >= 0")
-    if alphas is not None and (not isinstance(alphas, list) or len(alphas) != world_size
+        raise ValueError(f"{where}: alpha {str(alpha)[:40]} is not a number >= 0")
+    if alphas is not None and (not isinstance(alphas, list) or len(alphas) != ranks
                                or not all(_positive(a) or a == 0 for a in alphas)):
-        raise ValueError(f"{where}: rank_alphas {alphas!r} are not {world_size} numbers >= 0")
+        raise ValueError(f"{where}: rank_alphas {str(alphas)[:80]} are not {ranks} numbers >= 0")
     # speeds: the shares stand for them (a replay measures nothing)
     return Replan(step=step, speeds=[float(s) for s in shares], shares=[float(s) for s in shares],
                   alpha=None if alpha is None else float(alpha), decision="replay",
@@ -77,7 +95,13 @@ def _replan(path: Path, i: int, entry: Any, world_size: int) -> Replan:
 
 
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    """A finite number > 0 that a float holds (an integer of 400 digits is none)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:
+        return False
 
 
 class ReplayedPartitioner:

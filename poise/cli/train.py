@@ -158,6 +158,12 @@ def record_config(args: argparse.Namespace,
     config = resolve(args)
     if check is not None:
         check(config)
+    if config.balance.replay:  # read here, bounded, so that a bad file stops no worker but the command
+        from poise.balance.replay import load_replans
+
+        nodes = config.dist.nnodes  # (an elastic job's or an emulated cluster's world size is known later)
+        known = nodes.isdigit() and not config.cluster.enabled
+        load_replans(config.balance.replay, config.dist.nproc * int(nodes) if known else None)
     if config.cluster.enabled:
         if config.cluster.name:
             # An existing cluster's shape and link fill in what the file and flags leave open.

@@ -4,6 +4,8 @@ truncated, or made harmless."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from poise import config as cfg
 from poise.cli import main
 from poise.train.samples import keep_steps_before, record_problem
+from tests.bounded import refused_in_one_line, run_bounded
 
 
 def _train(out: Path, *flags: str) -> int:
@@ -59,3 +62,28 @@ def test_a_path_that_is_not_utf8_is_named_in_one_line(tmp_path):
     config = cfg.from_dict({"out_dir": str(tmp_path / "bad\udcff"), "task": {"name": "digits"}})
     with pytest.raises(ValueError, match=r"^out_dir: .* holds bytes that are not UTF-8 text"):
         cfg.save(config, tmp_path / "config.toml")
+
+
+# -- item 17: a replay file that is no report --------------------------------------------------
+
+
+def _replay(path: str) -> int:
+    return main(["train", "--task", "digits", "--steps", "1", "--balance.strategy", "dynamic",
+                 "--balance.replay", path])
+
+
+@pytest.mark.parametrize("make", ["dev-zero", "fifo", "5000-digit-step", "4000-digit-step", "huge-share"])
+def test_a_replay_file_that_is_no_report_is_refused_in_one_line_before_launch(tmp_path, make):
+    path = tmp_path / "report.json"
+    if make == "dev-zero":
+        path = Path("/dev/zero")
+    elif make == "fifo":
+        os.mkfifo(path)
+    elif make == "huge-share":
+        path.write_text(json.dumps({"replans": [{"step": 3, "shares": [10**400, 1]}]}))
+    else:
+        digits = int(make.split("-")[0])
+        path.write_text('{"replans": [{"step": ' + "9" * digits + ', "shares": [1, 1]}]}')
+    outcome = run_bounded(_replay, str(path), memory_bytes=512 << 20, timeout_s=30)
+    assert outcome.kind == "ok" and refused_in_one_line(outcome, "poise train: error: balance.replay="), \
+        outcome.describe()

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -193,9 +194,13 @@ def lock(root: Path, wait_s: float = 5.0, *, name: str = LOCK, what: str = "chec
     if key in _HELD:
         return
     try:
-        fd = os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise ValueError(f"{what} {str(root)!r}: cannot open its lock: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device put there: never waited on or read
+        os.close(fd)
+        raise ValueError(f"{what} {str(root)!r}: its lock {name} is not a regular file: remove it, or give "
+                         f"another {flag}")
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -203,7 +208,7 @@ def lock(root: Path, wait_s: float = 5.0, *, name: str = LOCK, what: str = "chec
             break
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                holder = printable(os.pread(fd, 200, 0).decode(errors="replace")) or "unknown"
                 os.close(fd)
                 raise ValueError(
                     f"{what} {str(root)!r} is in use by another job ({holder}): give each job its own {flag}"
@@ -212,6 +217,13 @@ def lock(root: Path, wait_s: float = 5.0, *, name: str = LOCK, what: str = "chec
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()}".encode(), 0)
     _HELD[key] = fd
+
+
+def printable(text: str) -> str:
+    """``text`` with every character but printable ASCII replaced by ``?``, stripped: what another
+    process wrote (a lock's holder) may hold terminal escape codes, which must not reach the
+    user's terminal in our message."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text).strip()
 
 
 def unlock(root: Path, name: str = LOCK) -> None:

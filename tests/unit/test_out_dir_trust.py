@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from poise import config as cfg
+from poise.checkpoint import directory
 from poise.cli import main
+from poise.cli.train import JOB_LOCK
 from poise.train.samples import keep_steps_before, record_problem
 from tests.bounded import refused_in_one_line, run_bounded
 
@@ -87,3 +91,40 @@ def test_a_replay_file_that_is_no_report_is_refused_in_one_line_before_launch(tm
     outcome = run_bounded(_replay, str(path), memory_bytes=512 << 20, timeout_s=30)
     assert outcome.kind == "ok" and refused_in_one_line(outcome, "poise train: error: balance.replay="), \
         outcome.describe()
+
+
+# -- item 19: the output directory's lock file ------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_named_as_the_lock_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / JOB_LOCK)
+    assert _train(out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"poise train: error: output directory {str(out)!r}: its lock {JOB_LOCK} is not a regular file: "
+                   "remove it, or give another --out"], err
+
+
+@pytest.mark.timeout(60)
+def test_a_held_locks_holder_text_reaches_the_user_without_escape_codes(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os
+fd = os.open({str(out / JOB_LOCK)!r}, os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.pwrite(fd, b"\\x1b]0;owned\\x07\\x1b[2Jhost h pid 1", 0)
+print("held", flush=True)
+import time; time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError) as err:
+            directory.lock(out, wait_s=0.0, name=JOB_LOCK, what="output directory", flag="--out")
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    message = str(err.value)
+    assert "\x1b" not in message and "\x07" not in message and "?]0;owned??[2Jhost h pid 1" in message, message

@@ -139,16 +139,18 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "idle_fraction": idle_fraction(compute),
         "comm_fraction": float(np.clip(blocked - idle, 0, None).sum() / step_s.sum()),
         "blocked_fraction": float(blocked.sum() / step_s.sum()),
-        # bytes this rank put on the wire per step (after compression), and before it
-        "bytes_communicated_per_step": float(np.median(wire)),
+        # bytes a rank put on the wire per step (after compression), over every step: the mean,
+        # so the outer steps of local SGD and DiLoCo count (the median step of those sends nothing)
+        "bytes_communicated_per_step": float(np.mean(wire)),
         "comm_raw_bytes_per_step": float(np.median(raw)),
         "comm_wire_bytes_per_step": float(np.median(wire)),
         # the mean counts the rare outer steps of local SGD and DiLoCo, which the median misses
         "comm_wire_bytes_mean_per_step": float(np.mean(wire)),
         # every rank's bytes over every token trained (all steps)
         "wire_bytes_per_token": float(column(table, "wire_bytes").sum() / max(tokens, 1)),
-        # median over steps, so the uncompressed warm-up steps do not dilute it
-        "compression_ratio": float(np.median(raw / np.maximum(wire, 1))),
+        # median over the steps that sent something, so the uncompressed warm-up steps do not
+        # dilute it and an outer strategy's silent inner steps do not read as 0
+        "compression_ratio": float(np.median(raw[wire > 0] / wire[wire > 0])) if (wire > 0).any() else 1.0,
         "codec_s_per_step": float(np.median(column(steady, "codec_s"))),
         # hierarchical with a codec: what all node leaders together sent between nodes per
         # step (compressed), and the compression of those node sums (0 and 1 without one)

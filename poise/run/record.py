@@ -65,6 +65,8 @@ class Recorder:
         self.eval_s = 0.0  # seconds spent in evaluations, left out of the training time
         self.eval_curve: list[dict[str, float]] = []
         self.finished = False  # the report was written (write_report ran)
+        # a resumed step's strategy end (Step.sync_end's arguments), run before the next step or the report
+        self.due_end: dict[str, Any] | None = None
 
     # -- the open step (StepOwner) -----------------------------------------------------------
 
@@ -74,10 +76,19 @@ class Recorder:
     def opened(self, step: Step) -> float | None:
         if self.active is not None:
             raise ValueError("a step was opened while another step is open: one step at a time")
+        self.end_saved_step()
         self.active = step
         if self.clock_s is None:
             self.clock_s = time.perf_counter()
         return self.last_exit_cpu_s
+
+    def end_saved_step(self) -> None:
+        """Run the strategy's end of the step a resumed state was saved inside (after its
+        optimizer step, before it ended), once, on every rank: the outer step due there, so
+        the resumed run continues exactly where the saved one would have."""
+        due, self.due_end = self.due_end, None
+        if due is not None:
+            self.sync.end_step(due["index"], tokens=due["tokens"], optimizer_step=due["optimizer_step"])
 
     def aborted(self, step: Step) -> None:
         if self.active is step:

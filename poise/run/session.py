@@ -30,6 +30,7 @@ How it is put together: :mod:`poise.run.build` (the parts), :mod:`poise.run.step
 from __future__ import annotations
 
 import atexit
+import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -61,6 +62,7 @@ from poise.runtime.clock import Clock
 from poise.sync import Deadline, Sync
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Session:
@@ -342,8 +344,9 @@ class Session:
         parts (residuals, this rank's measurements) are marked with the rank they belong to.
 
         Inside an open step (the natural place: after ``optimizer.step()`` in a ``session.steps``
-        loop), a step whose backward ran counts as done; one whose backward did not run is
-        trained again after a resume.
+        loop), a step whose backward ran counts as done, and the strategy's end of it (an outer
+        step due there) runs in the resumed session before its first step; one whose backward
+        did not run is trained again after a resume.
 
         No collective: any rank can call it at any time, e.g. rank 0 alone for its checkpoint.
         """
@@ -388,6 +391,10 @@ class Session:
         """Gather every rank's figures and, on rank 0, write ``report.json``, ``trace.json`` and
         ``timeline.png`` into ``out_dir``. A collective: call on every rank, once, at the end.
 
+        However the loop ended (its last step, an early stop, a ``break``), every rank holds the
+        same parameters afterwards: an outer strategy (local SGD, DiLoCo, Streaming) stopped
+        before ``total_steps`` takes its final synchronization here. Save the model after it.
+
         ``extra`` is added to the report (your eval metrics, say); ``loss_scale`` converts the
         recorded training loss (nats, as your loss returns it) into the unit you report.
         ``optimizer``, if given, adds each rank's training state to the report (``per_rank``'s
@@ -405,6 +412,10 @@ class Session:
             raise ValueError("session.finish() inside an open step")
         if self.steps_done == 0:
             raise ValueError("session.finish(): no step was recorded: run steps inside `with session.step()`")
+        self._recorder.end_saved_step()  # resumed from a state saved inside the last step: its outer step
+        if not self.sync.conclude() and self.rank == 0:  # the replicas meet, however the loop ended
+            log.warning("session.finish(): the ranks hold different parameters (%s cannot synchronize them at the "
+                        "end): save every rank's model, not rank 0's alone", self.sync.summary()["mode"])
         deadline = self.deadline
         state = None if optimizer is None else memory.state_bytes(self.module, optimizer)
         per_rank = {**self._emulation.describe(), "memory": memory.summary(self.freed_memory, state),

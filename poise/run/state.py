@@ -2,7 +2,8 @@
 :meth:`poise.Session.load_state_dict` restores it (the public docstrings are the session's).
 
 Kept apart from the session so the rules of a resume read in one place: a step whose backward
-ran counts as done; the data position is shared by every rank; residuals and the
+ran counts as done, its strategy's end included (run by the resumed session before its first
+step: an outer step may be due there); the data position is shared by every rank; residuals and the
 re-planner's measurements belong to one rank of one world size and are used only there.
 """
 
@@ -15,6 +16,7 @@ from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner
 from poise.run.data import Sampler
 from poise.run.record import Recorder
+from poise.run.step import DeadlineStep
 from poise.sync import Deadline, Sync
 
 log = logging.getLogger(__name__)
@@ -29,9 +31,14 @@ def session_state(*, rank: int, world_size: int, sampler: Sampler, recorder: Rec
     claimed = sampler.handed[0][1] if sampler.handed else sampler.position
     steps_done = recorder.steps_done
     open_step = recorder.active
+    # the strategy's end of a step counted as done but not yet ended (an outer step may be due
+    # there): a resume runs it before its first step, so the saved step completes as it would have
+    step_end = recorder.due_end
     if open_step is not None and open_step.position >= 0:
         if open_step.backward_done:
             steps_done += 1
+            if not isinstance(open_step, DeadlineStep):  # (a deadline step's reduction is in its backward)
+                step_end = open_step.sync_end()
         else:
             claimed = open_step.position
     planned = partitioner.state_dict() if partitioner else None
@@ -47,6 +54,7 @@ def session_state(*, rank: int, world_size: int, sampler: Sampler, recorder: Rec
         "comm_shared": sync.shared_state_dict(),
         "straggler": deadline.runner.state_dict() if deadline is not None else None,
         "replicas_agree": sync.replicas_agree,
+        "step_end": step_end,
     }
 
 
@@ -81,6 +89,10 @@ def load_session_state(state: dict[str, Any], *, rank: int, world_size: int, sam
     if deadline is not None and state.get("straggler") and same_world:
         deadline.runner.load_state_dict(state["straggler"])
     recorder.steps_done = int(state["steps_done"]) if same_world else 0
+    step_end = state.get("step_end")  # (none in an older poise's state)
+    if step_end is not None and same_world:  # on every rank alike: the end may be a collective
+        recorder.due_end = {"index": int(step_end["index"]), "tokens": float(step_end["tokens"]) if own else 0.0,
+                            "optimizer_step": bool(step_end["optimizer_step"])}
 
 
 __all__ = ["load_session_state", "session_state"]

@@ -113,6 +113,15 @@ class Step:
         """Whether :meth:`backward` ran in this step."""
         return self._marks is not None and self._marks.backward_end is not None
 
+    def sync_end(self) -> dict[str, Any]:
+        """The arguments of the strategy's ``end_step`` for this step (its index, the loss terms
+        this rank trained, whether the optimizer stepped): what :meth:`end` runs, and what a state
+        saved inside the step keeps so a resume runs it (an outer step may be due there)."""
+        if self._marks is None:
+            raise ValueError(f"step {self.index} was never opened")
+        tokens = float(self._marks.tokens) if self._items is None else self._items
+        return {"index": self.index, "tokens": tokens, "optimizer_step": self.sync}
+
     def _open(self, data_s: float) -> None:
         env = self.env
         for listener in env.listeners:  # first: a listener may refuse the step before it opens
@@ -206,8 +215,7 @@ class Step:
             raise ValueError(f"step {self.index} ended without step.backward(loss): {what}")
         env.sync.micro_batch(True)  # leave any accumulation context: the next step starts clean
         m.synced = env.clock.mark()
-        env.sync.end_step(self.index, tokens=m.tokens if self._items is None else self._items,
-                          optimizer_step=self.sync)
+        env.sync.end_step(**self.sync_end())
         m.end = env.clock.mark()
         m.cpu_s = time.process_time() - self._cpu_from
         for listener in env.listeners:

@@ -125,6 +125,10 @@ class AllReduce:
     def between_steps(self) -> bool:
         return self.state.between_steps()
 
+    def conclude(self) -> bool:
+        """Nothing: every step's gradient was reduced, so the replicas agree."""
+        return True
+
     def traffic(self) -> tuple[StepStats, StepStats]:
         step = self.state.step_stats()
         return step, step if self._all_inter_node else self.state.inter_node_stats()

@@ -17,6 +17,8 @@ Every way poise synchronizes ranks is an implementation of :class:`Sync`, and th
    ``poise/sync/outer.py``).
 6. :meth:`Sync.between_steps` after the step is recorded: work outside any step
    (``comm.codec=auto``'s dry runs), whose seconds belong to no step.
+7. :meth:`Sync.conclude` once, when the loop is over (``Session.finish``): the replicas meet
+   if they drifted apart, so a loop left early ends with one model, not one per rank.
 
 State for checkpoints (:meth:`state_dict`, and the part every rank shares) and the step's
 traffic (:meth:`traffic`) complete it. Two flags tell the session how to treat it:
@@ -116,6 +118,12 @@ class Sync(Protocol):
 
     def between_steps(self) -> bool:
         """Work outside any step, run on every rank after each step; True if it ran anything."""
+
+    def conclude(self) -> bool:
+        """The loop is over, however it ended (the last step, an early stop, a ``break``): on
+        every rank alike (``Session.finish``), bring the replicas together if they drifted
+        apart (an outer strategy's final synchronization). True if every rank now holds the
+        same parameters, False if it cannot say so (the report and the log then tell)."""
 
     def traffic(self) -> tuple[StepStats, StepStats]:
         """This step's bytes and codec seconds: all of this rank's, and those between nodes."""

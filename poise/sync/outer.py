@@ -159,6 +159,9 @@ class Outer:
         self.tokens = [0.0] * len(self.groups)  # this rank's loss terms since each fragment's last outer step
         self.steps = 0  # optimizer steps done
         self.outer_steps = 0  # outer reductions applied (all fragments)
+        # per fragment: every rank holds the same values (no optimizer step since its last outer step, applied unmixed)
+        self.in_sync = [True] * len(self.groups)
+        self.concluded = False  # finish() ran the final synchronization (the loop ended before last_step)
         self.pending: list[Pending] = []
         self.counters = Counters()  # bytes of the outer collectives (they cross nodes, if there are several)
         self.node_counters = Counters()  # bytes of collectives within a node (inner_scope=node's gathers)
@@ -255,6 +258,7 @@ class Outer:
             return
         compute_s = time.perf_counter() - self._step_began
         self.steps += 1  # (after the warm-up's: those are counted from here on)
+        self.in_sync = [False] * len(self.groups)
         final = self.last_step is not None and self.steps >= self.last_step
         self._apply_due(everything=final)
         sync_began = time.perf_counter()
@@ -272,6 +276,7 @@ class Outer:
         with torch.no_grad():
             self.global_ = [self._flat(g).clone() for g in self.groups]
         self.tokens = [0.0] * len(self.groups)
+        self.in_sync = [True] * len(self.groups)
 
     def _launch(self, fragment: int, delay: int | None = None) -> None:
         """Start the outer all-reduce of ``fragment``'s weighted change (see module doc), to be
@@ -329,6 +334,7 @@ class Outer:
         alpha = self.config.mixing if self.config.mode == "streaming" and mix else 0.0
         local = global_ if alpha == 0.0 else self._flat(group).mul_(alpha).add_(global_, alpha=1.0 - alpha)
         self._write(group, local)
+        self.in_sync[fragment] = alpha == 0.0
         self.outer_steps += 1
 
     def _time_ddp_step(self) -> None:
@@ -394,6 +400,24 @@ class Outer:
     def between_steps(self) -> bool:
         return self.inner.between_steps()
 
+    def conclude(self) -> bool:
+        """The loop ended before ``last_step`` (an early stop, a ``break``, no ``total_steps``):
+        the run's final synchronization now, as the last step would have run it (every
+        fragment's change averaged and applied, every rank given the global parameters), so
+        the replicas agree whatever stopped the loop. Nothing when they already do (DDP's
+        warm-up, per-step sync, the last step synchronized, no outer round trained yet)."""
+        if self.per_step or self.warmup_left > 0 or self.nodes.lone or (all(self.in_sync) and not self.pending):
+            return True
+        self._apply_due(everything=True)
+        for fragment in range(len(self.groups)):
+            self._launch(fragment, delay=0)
+        self._apply_due(everything=True, mix=False)
+        self.concluded = True
+        log.info("sync %s: the loop ended after %d optimizer steps, before the run's last: the ranks' changes were "
+                 "averaged once more at finish(), so every rank holds the same parameters", self.config.mode,
+                 self.steps)
+        return True
+
     def traffic(self) -> tuple[StepStats, StepStats]:
         """The inner all-reduce's bytes (every step within a node, or the warm-up's), the outer
         collectives' (inter-node too when there are several nodes) and the gathers within a node."""
@@ -423,6 +447,7 @@ class Outer:
                                "ddp_figures": self._ddp_figures},
                 "local": [self._flat(g) for g in self.groups], "global": [g.clone() for g in self.global_],
                 "momenta": [m.clone() for m in self.momenta], "tokens": list(self.tokens), "pending": pending,
+                "in_sync": list(self.in_sync),
                 "codec": self.codec.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -446,6 +471,7 @@ class Outer:
             self.global_[i].copy_(state["global"][i])
             self.momenta[i].copy_(state["momenta"][i])
         self.tokens = [float(t) for t in state["tokens"]]
+        self.in_sync = [bool(v) for v in state.get("in_sync", [False] * len(self.groups))]  # (older poise: unknown)
         self.pending = [Pending(int(p["fragment"]), int(p["apply_after"]), _done(p["result"]))
                         for p in state["pending"]]
         self.codec.load_state_dict(state["codec"])
@@ -467,7 +493,8 @@ class Outer:
         return {"mode": mode, "inner_steps": self.inner_steps, "warmup_steps": self.config.warmup_steps,
                 "fragments": len(self.groups), "inner_scope": self.config.inner_scope,
                 "ranks_per_node": self.nodes.ranks_per_node,
-                "outer_steps": self.outer_steps, "codec": self.config.codec, "weighting": self.config.weighting,
+                "outer_steps": self.outer_steps, "final_sync_at_finish": self.concluded,
+                "codec": self.config.codec, "weighting": self.config.weighting,
                 "outer_lr": self.lr, "outer_momentum": self.momentum, "auto": self.choice}
 
 

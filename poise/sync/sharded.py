@@ -200,6 +200,10 @@ class Sharded:
     def between_steps(self) -> bool:
         return False
 
+    def conclude(self) -> bool:
+        """Nothing: the shards make one model, reduced at every step."""
+        return True
+
     def traffic(self) -> tuple[StepStats, StepStats]:
         """All of this rank's bytes (parameter all-gathers, reduce-scatters, replicate
         all-reduces) and those over groups spanning nodes."""

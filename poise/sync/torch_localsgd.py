@@ -191,6 +191,16 @@ class TorchLocalSGD:
     def between_steps(self) -> bool:
         return False
 
+    def conclude(self) -> bool:
+        """One last average of the parameters if any optimizer step came after the last one
+        (torch's averager leaves each rank its own otherwise)."""
+        a = self.averager
+        if a.step <= a.warmup_steps or (a.step - a.warmup_steps - 1) % a.period == 0:
+            return True  # still DDP's warm-up, or the last step averaged
+        self.averages += 1
+        averaging.average_parameters(iter(self._trainable), a.process_group)
+        return True
+
     def traffic(self) -> tuple[StepStats, StepStats]:
         return self.state.step_stats(), self.state.inter_node_stats()
 

@@ -180,6 +180,11 @@ class TorchftDiLoCo:
     def between_steps(self) -> bool:
         return False
 
+    def conclude(self) -> bool:
+        """Whether the last optimizer step was torchft's outer step (it offers no final
+        synchronization of its own: the ranks keep their parameters since the last one)."""
+        return self.inner_steps_done % self.sync.inner_steps == 0
+
     def traffic(self) -> tuple[StepStats, StepStats]:
         return self._counters.snapshot(), self._inter.snapshot()
 

@@ -5,6 +5,7 @@ unequal rounds, and a rank that trained nothing."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import time
@@ -64,8 +65,12 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 def _train(rank: int, world_size: int, sync: SyncConfig | str, steps: int, *, balance: str = "static",
            speeds: list[float] | None = None, lr: float = 0.1, adam: bool = False, state: dict | None = None,
-           stop_at: int | None = None, batch_size: int = 4, model: Callable[[], nn.Module] = _model) -> dict:
-    """``steps`` optimizer steps of a small model with SGD (or AdamW); parameters after each."""
+           stop_at: int | None = None, batch_size: int = 4, model: Callable[[], nn.Module] = _model,
+           save_inside: int | None = None, finish: bool = False) -> dict:
+    """``steps`` optimizer steps of a small model with SGD (or AdamW); parameters after each.
+    ``stop_at``: state saved after that step ends, and the loop left; ``save_inside``: state
+    saved inside that step, after the optimizer step (where the docs show it), the loop going
+    on; ``finish``: ``session.finish()`` after the loop (the report and the parameters after it)."""
     data = poise.Data(lengths=LENGTHS, batch_size=batch_size if balance == "static" else None,
                       batch_cost=None if balance == "static" else world_size * batch_size * 20.0,
                       loss_terms=LENGTHS, total_steps=steps)
@@ -85,6 +90,9 @@ def _train(rank: int, world_size: int, sync: SyncConfig | str, steps: int, *, ba
         opt.step()
         opt.zero_grad()
         out["tokens"].append(int(LENGTHS[step.indices].sum()))
+        if save_inside is not None and done + 1 == save_inside:
+            # copied: the optimizer's and the codec's state tensors go on changing in place
+            out["inside"] = copy.deepcopy({"optim": opt.state_dict(), "session": session.state_dict()})
         step.end()
         record = session.last_record
         out["bytes"].append(record.wire_bytes if record is not None else 0)
@@ -97,6 +105,9 @@ def _train(rank: int, world_size: int, sync: SyncConfig | str, steps: int, *, ba
         if done == steps:
             break
     out["summary"] = session.sync.summary()
+    if finish:
+        out["report"] = session.finish()
+        out["finished"] = _params(session.model)
     return out
 
 
@@ -202,18 +213,41 @@ def test_outer_state_resumes_bit_for_bit():
     outer momentum, the rank's own parameters and the residuals carried over (int8, streaming)."""
     sync = SyncConfig(mode="streaming", inner_steps=4, fragments=2, delay_steps=1, codec="int8")
     whole = run_ranks(_train, world_size=2, timeout_s=90, sync=sync, steps=9, adam=True, lr=0.01)
-    first = run_ranks(_train, world_size=2, timeout_s=90, sync=sync, steps=9, adam=True, lr=0.01, stop_at=5)
-    states = [r["state"] for r in first]
-    rest = run_ranks(_resume, world_size=2, timeout_s=90, sync=sync, states=states)
+    # one run saves twice: inside step 4 after its optimizer step (the docs' place; fragment 1's
+    # outer step is due at its end), and after step 5 ended
+    first = run_ranks(_train, world_size=2, timeout_s=90, sync=sync, steps=9, adam=True, lr=0.01, stop_at=5,
+                      save_inside=4)
+    assert first[0]["inside"]["session"]["steps_done"] == 4 and first[0]["inside"]["session"]["step_end"]
+    rest = run_ranks(_resume, world_size=2, timeout_s=90, sync=sync, states=[[r["inside"], r["state"]] for r in first])
     for rank in range(2):
-        for got, want in zip(rest[rank]["params"][-1], whole[rank]["params"][-1], strict=True):
-            assert torch.equal(got, want)
+        for resumed in rest[rank]:
+            for got, want in zip(resumed["params"][-1], whole[rank]["params"][-1], strict=True):
+                assert torch.equal(got, want)
+            assert resumed["summary"]["outer_steps"] == whole[rank]["summary"]["outer_steps"] == 6
     # the run's last step gives every rank the global model (not mixed into its own)
     assert all(torch.equal(a, b) for a, b in zip(whole[0]["params"][-1], whole[1]["params"][-1], strict=True))
 
 
-def _resume(rank: int, world_size: int, sync: SyncConfig, states: list[dict]) -> dict:
-    return _train(rank, world_size, sync, 9, adam=True, lr=0.01, state=states[rank])
+def _resume(rank: int, world_size: int, sync: SyncConfig, states: list[list[dict]]) -> list[dict]:
+    """A fresh session resumed from each of this rank's states in turn, to the run's end."""
+    return [_train(rank, world_size, sync, 9, adam=True, lr=0.01, state=state) for state in states[rank]]
+
+
+def test_a_loop_left_early_ends_with_one_model_and_its_traffic_reported():
+    """DiLoCo with H = 3 over 9 planned steps, the loop left after step 5 (an early stop): the
+    ranks' parameters differ there, and finish() averages their changes once more, so every
+    rank ends with the same model (said in the report); the report's bytes per step are the
+    outer steps' bytes over every step, not the median step's 0."""
+    results = run_ranks(_train, world_size=2, timeout_s=90, sync=SyncConfig(mode="diloco", inner_steps=3), steps=9,
+                        adam=True, lr=0.01, stop_at=5, finish=True)
+    r0, r1 = results
+    assert not _same(r0["params"][-1], r1["params"][-1])
+    assert _same(r0["finished"], r1["finished"]) and not _same(r0["finished"], r0["params"][-1])
+    report = r0["report"]
+    assert report["sync"]["final_sync_at_finish"] and report["sync"]["outer_steps"] == 2
+    assert report["comm_wire_bytes_per_step"] == 0  # the median step sends nothing
+    assert report["bytes_communicated_per_step"] == pytest.approx(sum(r0["bytes"][1:]) / 4)
+    assert report["compression_ratio"] == 1.0
 
 
 # (codec, top-k ratio, the largest distance from the exact run as a share of the exact run's change)

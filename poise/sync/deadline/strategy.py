@@ -81,6 +81,9 @@ class Deadline:
     def between_steps(self) -> bool:
         return self.inner.between_steps()
 
+    def conclude(self) -> bool:
+        return self.inner.conclude()
+
     def traffic(self) -> tuple[StepStats, StepStats]:
         return self.inner.traffic()
 

@@ -37,6 +37,14 @@ iteration that equalises compute times in one or two re-plans (a share's cost/ti
 changes little with the share). The damping is kept for what it is good at: estimates that
 are still noisy.
 
+Confirmation (``confirm_steps``, balance ``auto``'s do-no-harm): a move is a prediction that
+the steps will be better balanced. For ``confirm_steps`` steps after it the shares stay put,
+then the measured balance of those steps (the median over them of each step's mean over max
+of the ranks' compute seconds, :func:`move_confirmed`) is compared with that of as many steps
+before it; when it fell by more than ``CONFIRM_MARGIN``, the move is undone (decision
+``revert``: the shares go back) and no move is made again until the speeds change or a
+window of steps has passed. A move that does what it predicted is kept (``confirm``).
+
 Schedule: the first ``cold_start_steps`` steps run on the equal split (the first step of a
 process is left out of the window: it pays for DDP's bucket rebuild and lazy allocations),
 the first re-plan happens right after them, and then every ``replan_every_steps`` steps. The
@@ -71,6 +79,29 @@ CHANGE_Z = 4.0  # standard errors between them that count as a change (not noise
 MIN_CHANGE = 0.10  # ... and the smallest relative change of speed that does
 PRECISER = 0.8  # each rank's own α is used when it cuts the worst per-step speed scatter by 20 %
 HISTORY_STEPS = 100  # the most steps α is fitted from (the seed's longest window)
+# a move is undone when the measured balance after it is this much below the balance before it
+# (a median of 3 steps' balance scattered by about 0.03 on a quiet 2-core machine)
+CONFIRM_MARGIN = 0.05
+
+
+def step_balance(seconds: np.ndarray) -> np.ndarray:
+    """Each step's measured balance from ``[ranks, steps]`` compute seconds: the mean over ranks
+    over the slowest rank's (1.0: nobody waited). A step where nobody computed reads 1."""
+    seconds = np.asarray(seconds, dtype=np.float64)
+    slowest = seconds.max(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(slowest > 0, seconds.mean(axis=0) / slowest, 1.0)
+
+
+def move_confirmed(seconds: np.ndarray, after_steps: int, margin: float = CONFIRM_MARGIN) -> tuple[bool, float, float]:
+    """Whether the last ``after_steps`` steps of ``seconds`` (``[ranks, steps]``, the steps
+    since a move) are balanced no worse than the (up to) ``after_steps`` before them, less
+    ``margin``; with the two medians of :func:`step_balance` (before, after). Pure."""
+    balances = step_balance(seconds)
+    after = float(np.median(balances[-after_steps:]))
+    before_part = balances[-2 * after_steps:-after_steps]
+    before = float(np.median(before_part)) if len(before_part) else after
+    return after >= before - margin, before, after
 
 
 @dataclass(frozen=True)
@@ -227,9 +258,12 @@ class Replan:
     shares: list[float]
     alpha: float | None
     rel_error: list[float] | None = None  # relative standard error of each speed
-    decision: str = "damped"  # hold, jump, edge or damped (choose_shares); wait: in the cold start, not confident
+    # hold, jump, edge or damped (choose_shares); wait: in the cold start, not confident; confirm
+    # or revert: a move's measured steps judged (confirm_steps); trial: waiting for them
+    decision: str = "damped"
     window_steps: int = 0  # steps the estimate used (fewer after a change of speed)
     rank_alphas: list[float] | None = None  # each rank's own α (its speed is in its own cost units)
+    measured_balance: list[float] | None = None  # confirm, revert: the balance before and after the move
 
 
 class DynamicPartitioner:
@@ -246,8 +280,12 @@ class DynamicPartitioner:
         confident_error: float = 0.05,
         fit_alpha: bool = True,
         device: torch.device | None = None,
+        confirm_steps: int = 0,
     ) -> None:
         self.sampler = sampler
+        self.confirm_steps = confirm_steps  # 0: moves are not checked against their measured steps
+        self._trial: tuple[int, np.ndarray] | None = None  # (observed count at a move, the shares before it)
+        self._quiet_until = 0  # after a revert, no move before this many observed steps
         self.cold_start_steps = cold_start_steps
         self.replan_every_steps = replan_every_steps
         self.max_share_change = max_share_change
@@ -295,6 +333,16 @@ class DynamicPartitioner:
             every = torch.stack(parts).cpu().numpy()  # [ranks, steps, 3]
         else:
             every = mine.cpu().numpy()[None]
+        return self.decide(every, step)
+
+    def decide(self, every: np.ndarray, step: int) -> Replan:
+        """The re-plan from every rank's gathered window (``[ranks, steps, 3]``: the terms of
+        :func:`window_terms`), with no communication: what :meth:`replan` does once it has
+        them, and what a test drives with recorded measurements. Sets the sampler's speeds."""
+        world = self.sampler.world_size
+        judged = self._judge(every, step)
+        if judged is not None:
+            return judged
         recent = every[:, -self.window_steps:]
         alpha = getattr(self.sampler.cost_fn, "alpha", None)
         own = self.sampler.rank_cost_fns
@@ -304,7 +352,8 @@ class DynamicPartitioner:
         # A change of speed, judged in the current units: the older steps describe a device
         # that is gone, for α too.
         keep = estimate_speeds(step_costs(recent, alphas), recent[:, :, 2]).keep_steps
-        if keep < recent.shape[1]:
+        changed = keep < recent.shape[1]  # a change of speed
+        if changed:
             every = recent = recent[:, -keep:]
             self._forget_before(keep)
         if self.fit_alpha:
@@ -340,6 +389,11 @@ class DynamicPartitioner:
             shares, decision = estimate.speeds / estimate.speeds.sum(), "jump"
         if self._observed < self.cold_start_steps and decision != "jump":
             shares, decision = self.shares, "wait"  # the cold start: only a confident estimate acts
+        if decision in ("jump", "edge", "damped") and self.confirm_steps:
+            if self._observed < self._quiet_until and not changed:
+                shares, decision = self.shares, "hold"  # a move was just undone and the speeds have not changed
+            else:
+                self._trial = (self._observed, self.shares.copy())
         self.shares = shares
         if estimate.keep_steps < recent.shape[1]:  # seen only in the new units
             self._forget_before(estimate.keep_steps)
@@ -356,17 +410,58 @@ class DynamicPartitioner:
         )
         return event
 
+    def _judge(self, every: np.ndarray, step: int) -> Replan | None:
+        """During a move's trial: hold until its ``confirm_steps`` steps are measured, then keep
+        it (``confirm``) or undo it (``revert``); None when no trial is running."""
+        if self._trial is None:
+            return None
+        moved_at, before = self._trial
+        since = self._observed - moved_at
+        if since < self.confirm_steps and every.shape[1] >= since:
+            return self._record(step, "trial", None)
+        self._trial = None
+        if every.shape[1] <= self.confirm_steps:  # a change of speed dropped the steps before the move
+            return None
+        kept, old, new = move_confirmed(every[:, :, 2], self.confirm_steps)
+        if kept:
+            return self._record(step, "confirm", (old, new))
+        self.shares = before
+        self.sampler.set_speeds(self.shares)
+        self._quiet_until = self._observed + self.window_steps
+        log.warning("re-plan at step %d: the last move is undone: balance %.3f in the %d steps after it against %.3f "
+                    "before", step, new, self.confirm_steps, old)
+        return self._record(step, "revert", (old, new))
+
+    def _record(self, step: int, decision: str, balances: tuple[float, float] | None) -> Replan:
+        """A re-plan that only judged (or waited for) the last move; the shares as they now stand."""
+        last = self.history[-1] if self.history else None
+        event = Replan(step, last.speeds if last else [], self.shares.tolist(), last.alpha if last else None,
+                       last.rel_error if last else None, decision, self.confirm_steps,
+                       last.rank_alphas if last else None,
+                       measured_balance=None if balances is None else [round(b, 4) for b in balances])
+        if decision != "trial":
+            self.history.append(event)
+        return event
+
     def _forget_before(self, keep: int) -> None:
         """Keep only the newest ``keep`` steps (a change of speed: the older ones are stale)."""
         while len(self.window) > keep:
             self.window.popleft()
 
     def state_dict(self) -> dict[str, Any]:
+        # a move being judged and the quiet after an undone one, in steps from now (a resumed
+        # process counts its own steps from 0)
+        trial = None if self._trial is None else [self._observed - self._trial[0], self._trial[1].tolist()]
         return {"shares": self.shares.tolist(), "window": list(self.window),
-                "history": [e.__dict__ for e in self.history]}
+                "history": [e.__dict__ for e in self.history], "trial": trial,
+                "quiet_steps": max(0, self._quiet_until - self._observed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.shares = np.asarray(state["shares"], dtype=np.float64)
+        trial = state.get("trial")  # a move being judged, and the quiet after an undone one (older states: none)
+        self._trial = None if trial is None else (self._observed - int(trial[0]),
+                                                  np.asarray(trial[1], dtype=np.float64))
+        self._quiet_until = self._observed + int(state.get("quiet_steps", 0))
         self.window.clear()
         self.window.extend(tuple(w) for w in state["window"])
         self.history = [Replan(**e) for e in state["history"]]

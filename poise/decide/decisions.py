@@ -89,9 +89,18 @@ def _balance(report: Mapping[str, Any]) -> list[Decision]:
         else f"balance={strategy!r}", by="poise" if strategy == "auto" else "you")
     found = [first]
     for replan in report.get("replans") or []:
-        if not isinstance(replan, Mapping) or replan.get("decision") not in MOVES:
+        if not isinstance(replan, Mapping) or replan.get("decision") not in (*MOVES, "revert"):
             continue
         shares, speeds = replan.get("shares") or [], replan.get("speeds") or []
+        if replan["decision"] == "revert":  # do no harm: a move whose steps measured worse is undone
+            before, after = (replan.get("measured_balance") or [float("nan")] * 2)[:2]
+            found.append(Decision(
+                "balance.shares", "shares " + " ".join(f"{s:.3f}" for s in shares) + " (the last move undone)",
+                int(replan.get("step", 0)), f"the {replan.get('window_steps', 0)} steps after the last move measured "
+                f"balance {after:.3f} against {before:.3f} before it: it did not pay",
+                "balance.replay=<this run's report.json> (the same re-plans at the same steps)",
+                figures={"shares": shares, "measured_balance": [before, after]}))
+            continue
         errors = replan.get("rel_error") or []
         found.append(Decision(
             "balance.shares", "shares " + " ".join(f"{s:.3f}" for s in shares), int(replan.get("step", 0)),

@@ -60,6 +60,14 @@ def test_the_console_lists_the_first_and_last_share_moves_and_counts_the_rest():
 
 
 def test_auto_replans_after_every_step_and_a_pinned_dynamic_keeps_its_cadence():
-    assert replan_schedule(BalanceConfig()) == {"cold_start_steps": 10, "replan_every_steps": 1}
+    assert replan_schedule(BalanceConfig()) == {"cold_start_steps": 10, "replan_every_steps": 1, "confirm_steps": 3}
     pinned = BalanceConfig(strategy="dynamic", replan_every_steps=7, cold_start_steps=4)
-    assert replan_schedule(pinned) == {"cold_start_steps": 4, "replan_every_steps": 7}
+    assert replan_schedule(pinned) == {"cold_start_steps": 4, "replan_every_steps": 7, "confirm_steps": 0}
+
+
+def test_an_undone_move_is_said_with_the_balance_that_undid_it():
+    revert = {**_replan(12, "revert", (0.5, 0.5)), "measured_balance": [0.93, 0.81]}
+    found = decisions({"balance_strategy": "auto", "replans": [_replan(8, "jump", (0.6, 0.4)), revert]})
+    undone = found[-1]
+    assert undone.step == 12 and undone.choice == "shares 0.500 0.500 (the last move undone)"
+    assert "balance 0.810 against 0.930" in undone.why

@@ -48,6 +48,7 @@ from poise.balance.replay import ReplayedPartitioner
 from poise.comm.trial import CodecTrial
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, EmulateConfig, MetricsConfig, StragglerConfig
 from poise.config.sync import SyncConfig
+from poise.decide import decisions
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import StepRecord
@@ -75,7 +76,9 @@ class Session:
             or one sharded with ``fully_shard`` (FSDP2, HSDP: :class:`poise.sync.Sharded`).
         data: what is trained on (:class:`poise.Data`: lengths or costs, loss terms, the
             budget per step, seed, accumulation, run length), or a sampler of your own making.
-        balance: ``static`` | ``cost`` | ``dynamic``, or a :class:`~poise.config.BalanceConfig`.
+        balance: ``auto`` (the default: plain DDP's samples per step, split by each rank's
+            measured speed from the first steps on; ``poise/decide/``) | ``static`` | ``cost`` |
+            ``dynamic``, or a :class:`~poise.config.BalanceConfig`.
         comm: a codec name (``none``, ``fp16``, ``topk``, ``powersgd``, ...) or a
             :class:`~poise.config.CommConfig` (codec, error feedback, collective, buckets).
         straggler: ``off`` | ``deadline`` | ``deadline+stale``, or a
@@ -110,7 +113,7 @@ class Session:
             group, the dataset or each other.
     """
 
-    def __init__(self, model: nn.Module, data: Data | Sampler, *, balance: str | BalanceConfig = "cost",
+    def __init__(self, model: nn.Module, data: Data | Sampler, *, balance: str | BalanceConfig = "auto",
                  comm: str | CommConfig = "none", straggler: str | StragglerConfig = "off",
                  sync: str | SyncConfig = "step", emulate: str | EmulateConfig | None = None,
                  diagnostics: DiagnosticsConfig | None = None, metrics: MetricsConfig | None = None,
@@ -422,7 +425,7 @@ class Session:
                     "straggler": deadline.runner.summary() if deadline is not None else None}
 
         def make_report(gathered: list[dict[str, Any]], table: Any) -> dict[str, Any]:  # rank 0
-            return {"world_size": self.world_size, "backend": self.backend,
+            report = {"world_size": self.world_size, "backend": self.backend,
                     "wall_s": time.perf_counter() - self._started_s,
                     **report_mod.summarize(table, loss_scale=loss_scale),
                     "balance_strategy": self.balance.strategy, "codec": self.comm.codec,
@@ -430,6 +433,8 @@ class Session:
                     **run_keys(self._recorder, gathered, compression_start=self.compression_start,
                                trial=self.codec_trial, partitioner=self.partitioner),
                     **(extra or {})}
+            # every choice in force, when and why, and what pins it (poise/decide/decisions.py)
+            return {**report, "decisions": [d.as_dict() for d in decisions(report)]}
 
         report = write_report(self._recorder, rank=self.rank, world_size=self.world_size, per_rank=per_rank,
                               make_report=make_report, out_dir=self.out_dir, plot=self.diagnostics.plot)

@@ -6,6 +6,7 @@ side by side in one invocation and reports medians and ratios. Families are list
 
 from __future__ import annotations
 
+import re
 from types import ModuleType
 from typing import Any
 
@@ -34,12 +35,23 @@ FAMILIES: dict[str, ModuleType] = {
 RUNS = {"faults": soak.run_bench}
 
 
+# reStructuredText roles and literals in a module doc: ``x`` and :func:`x` read as x in a terminal
+_MARKUP = re.compile(r"(?::[a-z]+:)?`{1,2}([^`]+)`{1,2}")
+
+
+def description(doc: str) -> str:
+    """A family's ``--help`` description: its module doc's first paragraph, whole (its first line
+    alone stopped mid-sentence), as plain text (no reStructuredText markup) on one line."""
+    paragraph = doc.strip().split("\n\n", 1)[0]
+    return _MARKUP.sub(lambda m: m.group(1).removeprefix("~"), " ".join(paragraph.split()))
+
+
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("bench", help="run a benchmark: prints a table and writes JSON")
     families = parser.add_subparsers(dest="family", required=True, parser_class=type(parser))
     for name, module in FAMILIES.items():
         # argparse %-formats help and descriptions ("20%" would format its own settings dict into them)
         family = families.add_parser(name, help=module.HELP.replace("%", "%%"),
-                                     description=module.__doc__.splitlines()[0].replace("%", "%%"))
+                                     description=description(module.__doc__ or module.HELP).replace("%", "%%"))
         module.add_arguments(family)
         family.set_defaults(run=RUNS.get(name, module.run))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from poise.config.fields import check_finite, check_positive, setting
@@ -11,6 +12,12 @@ from poise.config.fields import check_finite, check_positive, setting
 # (poise/train/recipe.py), which numpy takes in 0..2^32-1: 2^22 - 1 leaves room for 10^8 ranks.
 MAX_SEED = 2**22 - 1
 MAX_STEPS = 10**9
+# AdamW's peak learning rate: runs use 1e-4..1e-2; past 10 every update overflows or diverges
+# at once (1e308 was accepted and the run died at its first step)
+MAX_LR = 10.0
+# train.frozen: comma-separated parameter-name prefixes (dotted names: "blocks.0,token_embedding")
+MAX_FROZEN_CHARS = 4096
+_PREFIX = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*\.?$")
 _MAXIMA = {"steps": MAX_STEPS, "epochs": 10**6, "batch_size": 10**6, "batch_tokens": 10**9,
            "schedule_steps": MAX_STEPS, "warmup_steps": MAX_STEPS, "eval_every": MAX_STEPS, "accum_steps": 10**4}
 
@@ -54,6 +61,23 @@ class TrainConfig:
         """``frozen`` parsed: the parameter-name prefixes kept fixed."""
         return tuple(p.strip() for p in self.frozen.split(",") if p.strip())
 
+    def _check_frozen(self) -> None:
+        """``frozen`` as the command reads it, before any worker builds the model: bounded, and
+        every prefix a dotted parameter name (whether it names one of the model's parameters is
+        checked against the model, :func:`poise.train.recipe.freeze`).
+
+        Raises:
+            ValueError: one line, quoting at most the value's first 60 characters.
+        """
+        shown = f"{self.frozen[:60]!r}{'...' if len(self.frozen) > 60 else ''}"
+        if len(self.frozen) > MAX_FROZEN_CHARS:
+            raise ValueError(f"train.frozen={shown} is invalid: {len(self.frozen)} characters, allowed is at most "
+                             f"{MAX_FROZEN_CHARS} (comma-separated parameter-name prefixes)")
+        bad = [p for p in self.frozen_prefixes() if not _PREFIX.match(p)]
+        if bad:
+            raise ValueError(f"train.frozen={shown} is invalid: {bad[0][:60]!r} is not a parameter-name prefix "
+                             "(dotted names of letters, digits and _, e.g. 'blocks.0,token_embedding')")
+
     def __post_init__(self) -> None:
         check_finite("train", self)
         for name in ("steps", "epochs", "batch_size", "batch_tokens", "lr", "schedule_steps"):
@@ -74,6 +98,10 @@ class TrainConfig:
                 f"train.batch_size={self.batch_size} and train.batch_tokens={self.batch_tokens} "
                 "are both set: give one"
             )
+        if self.lr is not None and self.lr > MAX_LR:
+            raise ValueError(f"train.lr={self.lr:g} is invalid: allowed is above 0 and at most {MAX_LR:g} "
+                             "(AdamW's peak learning rate; runs use 1e-4..1e-2)")
+        self._check_frozen()
         if self.weight_decay < 0 or self.warmup_steps < 0 or self.grad_clip_norm < 0:
             raise ValueError("train.weight_decay, train.warmup_steps and train.grad_clip_norm must be >= 0")
         if self.eval_every < 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,29 @@ import time; time.sleep(60)
         holder.wait(timeout=30)
     message = str(err.value)
     assert "\x1b" not in message and "\x07" not in message and "?]0;owned??[2Jhost h pid 1" in message, message
+
+
+# -- item 20: settings checked only in the workers, and help cut short -------------------------
+
+
+def test_frozen_and_lr_are_checked_by_the_command_in_one_short_line(capsys):
+    with pytest.raises(ValueError, match=r"^train.frozen='aaaa.{56}'\.\.\. is invalid: 900000 characters") as err:
+        cfg.from_dict({"task": {"name": "digits"}, "train": {"frozen": "a" * 900_000}})
+    assert len(str(err.value)) < 300
+    with pytest.raises(ValueError, match=r"^train.frozen='0,x;rm' is invalid: 'x;rm' is not a parameter-name prefix"):
+        cfg.from_dict({"task": {"name": "digits"}, "train": {"frozen": "0,x;rm"}})
+    assert cfg.from_dict({"train": {"frozen": "blocks.0, token_embedding,4."}}).train.frozen_prefixes() == (
+        "blocks.0", "token_embedding", "4.")
+    assert main(["train", "--task", "digits", "--lr", "1e308"]) == 2
+    assert capsys.readouterr().err.strip() == ("poise train: error: train.lr=1e+308 is invalid: allowed is above 0 and "
+                                               "at most 10 (AdamW's peak learning rate; runs use 1e-4..1e-2)")
+    assert cfg.from_dict({"train": {"lr": 10.0}}).train.lr == 10.0
+
+
+@pytest.mark.parametrize("family", ["faults", "parallel"])
+def test_bench_help_gives_the_whole_first_paragraph_as_plain_text(family, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", family, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    first = re.split(r" (?:options|positional arguments): ", text)[0].split("] ")[-1]  # after the usage lines
+    assert first.startswith(f"poise bench {family}: ") and first.endswith(".") and "`" not in first, first

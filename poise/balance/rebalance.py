@@ -60,6 +60,7 @@ equal split is kept until step 10, as before.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -299,6 +300,7 @@ class DynamicPartitioner:
         # all of them, speeds from the last ``window_steps``
         self.window: deque[tuple[float, float, float]] = deque(maxlen=max(window_steps, HISTORY_STEPS))
         self.history: list[Replan] = []
+        self.spent_s = 0.0  # seconds in re-plans, the all-gather included: what deciding costs this rank
 
     def observe(self, batch_lengths: np.ndarray, compute_s: float) -> None:
         """Record this rank's step: its batch's lengths and its own compute seconds."""
@@ -325,6 +327,13 @@ class DynamicPartitioner:
 
     def replan(self, step: int) -> Replan:
         """Exchange windows (a collective: call on every rank at the same step) and re-split."""
+        started = time.perf_counter()
+        try:
+            return self._replan(step)
+        finally:
+            self.spent_s += time.perf_counter() - started
+
+    def _replan(self, step: int) -> Replan:
         mine = torch.tensor(list(self.window), dtype=torch.float64, device=self.device)
         world = self.sampler.world_size
         if world > 1:

@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from poise.bench import (
+    auto,
     balance,
     checkpoint,
     codecs,
@@ -29,7 +30,7 @@ from poise.bench import (
 FAMILIES: dict[str, ModuleType] = {
     "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "network": network,
     "checkpoint": checkpoint, "diagnose": diagnose, "faults": faults, "plan": plan,
-    "stragglers": stragglers, "outer": outer, "parallel": parallel,
+    "stragglers": stragglers, "outer": outer, "parallel": parallel, "auto": auto,
 }
 # a family whose command runs more than its module's run(): faults with --minutes is the soak
 RUNS = {"faults": soak.run_bench}

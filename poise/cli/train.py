@@ -207,10 +207,32 @@ def run(args: argparse.Namespace) -> int:
     config, config_path = record_config(args, check_parallel)
     out = Path(config.out_dir)
     code = launch_job(config, config_path)
+    remove_unfinished_saves(config)
     report_path = out / "report.json"
     if code == 0 and report_path.exists():
         _show_summary(report_path)
     return code
+
+
+def remove_unfinished_saves(config: cfg.RunConfig) -> None:
+    """After a one-machine job's workers are all gone: remove the partial folders of saves they left
+    unfinished (a rank stopped mid-save when another failed, e.g. on a full disk), so that they do
+    not hold the disk until the next job starts. Nothing is removed while another process holds
+    the checkpoint directory's lock; a partial folder is never a checkpoint."""
+    from poise.checkpoint.directory import clean_partials, lock, unlock
+
+    root = Path(config.checkpoint_dir)
+    multi_node = config.dist.nnodes != "1" or bool(config.dist.rdzv_endpoint) or config.cluster.enabled
+    if multi_node or not config.checkpoint.every_steps or not root.is_dir():
+        return
+    try:
+        lock(root, wait_s=0.0)
+    except ValueError:
+        return  # in use: whoever holds it removes them
+    try:
+        clean_partials(root)
+    finally:
+        unlock(root)
 
 
 def check_resumable(config: cfg.RunConfig) -> None:

@@ -250,6 +250,13 @@ def clean_partials(root: Path, keep_token: str | None = None) -> list[str]:
     return deleted
 
 
+def remove_partial(path: Path) -> None:
+    """Delete one save's partial folder (a name with :data:`PARTIAL_PREFIX`, never a checkpoint),
+    or the link by that name."""
+    if path.name.startswith(PARTIAL_PREFIX):
+        _remove(path)
+
+
 def _remove(path: Path) -> None:
     """Delete a folder, or the symbolic link itself (never what it points to)."""
     if path.is_symlink():

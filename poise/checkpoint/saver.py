@@ -176,7 +176,15 @@ class Checkpointer:
         except FileNotFoundError:
             raise FileNotFoundError(f"checkpoint directory {str(self.root)!r} is gone: it was removed during "
                                     "the run") from None
-        mine = directory.write_payload(partial, layout.rank_file(self.rank), snapshot.per_rank)
+        try:
+            mine = directory.write_payload(partial, layout.rank_file(self.rank), snapshot.per_rank)
+        except BaseException:
+            # this save can never count (rank 0 gets no note from this rank, so nothing of it is
+            # renamed into place), and after this rank's failure the launcher stops rank 0 in its
+            # wait, before rank 0 could remove the folder: a full disk must not keep it
+            if self.rank != 0:
+                directory.remove_partial(partial)
+            raise
         note = json.dumps(mine.entry())
         if self.store is not None:
             self.store.set(f"checkpoint/{step}/rank-{self.rank}", note)

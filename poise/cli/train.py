@@ -219,7 +219,7 @@ def remove_unfinished_saves(config: cfg.RunConfig) -> None:
     unfinished (a rank stopped mid-save when another failed, e.g. on a full disk), so that they do
     not hold the disk until the next job starts. Nothing is removed while another process holds
     the checkpoint directory's lock; a partial folder is never a checkpoint."""
-    from poise.checkpoint.directory import clean_partials, lock, unlock
+    from poise.checkpoint.directory import lock, remove_partial, unlock
 
     root = Path(config.checkpoint_dir)
     multi_node = config.dist.nnodes != "1" or bool(config.dist.rdzv_endpoint) or config.cluster.enabled
@@ -230,7 +230,8 @@ def remove_unfinished_saves(config: cfg.RunConfig) -> None:
     except ValueError:
         return  # in use: whoever holds it removes them
     try:
-        clean_partials(root)
+        for path in list(root.iterdir()):  # quietly: the job's last line stays its outcome
+            remove_partial(path)
     finally:
         unlock(root)
 

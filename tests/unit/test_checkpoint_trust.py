@@ -5,6 +5,7 @@ verifies but cannot be resumed, a manifest's world size."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 from pathlib import Path
 
@@ -12,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from poise.checkpoint import contents, layout
+from poise.checkpoint import contents, directory, layout
 from poise.checkpoint.saver import _TOKEN_KEY, Checkpointer
 from poise.cli.checkpoint import run_verify
+from poise.cli.train import remove_unfinished_saves
 from poise.runtime.launcher import JOB_KEY_ENV
 from tests.bounded import run_bounded
 from tests.unit.test_checkpoint import _config, _model, _state
@@ -123,3 +125,32 @@ def test_a_world_size_past_the_files_listed_is_refused_at_once(tmp_path, world):
     outcome = run_bounded(run_verify, argparse.Namespace(dir=str(root)), memory_bytes=256 << 20, timeout_s=20)
     assert outcome.kind == "ok" and outcome.value == 1, outcome.describe()
     assert "world_size" in outcome.err and outcome.err.count("\n") == 1, outcome.err
+
+
+def test_a_rank_whose_part_does_not_fit_on_the_disk_removes_the_saves_folder(tmp_path, monkeypatch):
+    """Issue 57, item 18: after a rank's save failed on a full disk, the launcher stopped rank 0
+    in its wait for that rank, and the save's partial folder stayed, holding the disk."""
+    monkeypatch.setenv(JOB_KEY_ENV, "5ec7e7" * 4)
+    root = tmp_path / "checkpoints"
+    _, rank1, _ = _two_ranks(root)
+    real = directory.write_payload
+
+    def full_disk(folder: Path, name: str, payload: object) -> directory.WrittenFile:
+        real(folder, name, payload)  # a part of it reached the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(directory, "write_payload", full_disk)
+    state = _state(_model(), 1)
+    state.shared["world_size"] = 2
+    with pytest.raises(OSError, match="No space left"):
+        rank1.save(state)
+    assert [p.name for p in root.iterdir() if p.name.startswith(layout.PARTIAL_PREFIX)] == []
+
+
+def test_the_command_removes_unfinished_saves_once_its_workers_are_gone(tmp_path):
+    config = _config(tmp_path)
+    root = Path(config.checkpoint_dir)
+    (root / f"{layout.PARTIAL_PREFIX}step-00000002-0123456789abcdef").mkdir(parents=True)
+    (root / f"{layout.PARTIAL_PREFIX}step-00000002-0123456789abcdef" / "rank-00000.pt").write_bytes(b"x" * 100)
+    remove_unfinished_saves(config)
+    assert not [p for p in root.iterdir() if p.name.startswith(layout.PARTIAL_PREFIX)]

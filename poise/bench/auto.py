@@ -69,8 +69,10 @@ class Scenario:
     changes: Callable[[int], tuple[int, ...]] = lambda steps: ()  # steps where an emulated speed changes
 
     def runs(self) -> dict[str, tuple[str, ...]]:
-        """Every run of the scenario, the reference first, then poise with no settings."""
-        return {"ddp": ("--balance", "static"), "auto": (), **self.grid}
+        """Every run of the scenario, the reference first, then poise with no settings (its
+        default said out loud: a bench job that names no ``--balance`` runs static sharding,
+        :func:`~poise.bench.harness.run_train_job`)."""
+        return {"ddp": ("--balance", "static"), "auto": ("--balance", "auto"), **self.grid}
 
 
 BALANCING = {"cost": ("--balance", "cost"), "dynamic": ("--balance", "dynamic")}

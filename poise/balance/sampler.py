@@ -90,7 +90,7 @@ class BalancedBatchSampler(EpochSampler):
             raise ValueError(f"rank={rank} is outside 0..{world_size - 1}")
         self.lengths = np.asarray(lengths)
         self.rank, self.world_size = rank, world_size
-        self.batch_cost = float(batch_cost)
+        self._batch_cost = float(batch_cost)
         self.cost_fn: CostFn = as_cost_fn(cost_fn) if cost_fn is not None else AttentionCost(DEFAULT_ALPHA)
         self.seed, self.drop_last, self.bucket_steps = seed, drop_last, bucket_steps
         self.speeds = np.ones(world_size)
@@ -99,6 +99,19 @@ class BalancedBatchSampler(EpochSampler):
             self.set_speeds(speeds)
         self.epoch, self.position = 0, 0
         self.set_epoch(0)
+
+    @property
+    def batch_cost(self) -> float:
+        """Cost budget of one step over all ranks (fixed: the epoch's steps were planned with it)."""
+        return self._batch_cost
+
+    @batch_cost.setter
+    def batch_cost(self, value: float) -> None:
+        """Refused: the epoch's steps are already planned with the budget, so a new one would
+        change nothing (silently) until some later epoch."""
+        raise ValueError(f"sampler.batch_cost = {value!r}: the budget is fixed when the sampler plans its epochs "
+                         f"(now {self._batch_cost:g}); give it when the sampler is made (poise.Data(batch_cost=...), "
+                         "batch_size= or batch_tokens=)")
 
     def set_epoch(self, epoch: int, remaining: np.ndarray | None = None) -> None:
         """Plan the steps of ``epoch`` (with the current cost function) and rewind to its start.

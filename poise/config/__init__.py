@@ -12,8 +12,9 @@ field's help text lives in its metadata and is reused for ``--help``.
 One module per section (``task.py``, ``train.py``, ``dist.py``, ``balance.py``, ``comm.py``,
 ``straggler.py``, ``sync.py``, ``parallel.py``, ``cluster.py``, ``diagnostics.py``, ``metrics.py``, ``emulate.py``,
 ``checkpoint.py``, ``pipeline.py``), ``run.py`` for the whole run and its cross-section checks,
-``fields.py`` for what the sections share, and ``convert.py`` for values in and out (TOML,
-dicts, former keys, the recorded file, the hash). The config imports nothing of poise but
+``fields.py`` for what the sections share, ``convert.py`` for values in and out (TOML,
+dicts, former keys, the recorded file, the hash), and ``former.py`` for the names that went
+(a former keyword, setting or module answered with its new name). The config imports nothing of poise but
 ``poise.units`` and ``poise.files``: names that belong to other packages (codecs, collectives)
 are checked by them (``poise.comm.registry.check``). Everything is imported from here:
 ``from poise import config as cfg; cfg.RunConfig, cfg.load(...)``.
@@ -39,6 +40,7 @@ from poise.config.convert import (
 from poise.config.diagnostics import DiagnosticsConfig
 from poise.config.dist import BACKENDS, MAX_LOCAL_WORKERS, NODE_LOCAL_SETTINGS, DistConfig
 from poise.config.emulate import FORMER_SECTIONS, DelaySpec, EmulateConfig
+from poise.config.former import FORMER_KEYWORDS, FORMER_MODULES, FormerModules, FormerName, former_keywords
 from poise.config.metrics import MetricsConfig
 from poise.config.parallel import PARALLEL_MODES, SHARDED_MODES, ParallelConfig
 from poise.config.pipeline import PARTITION_METHODS, PIPELINE_SCHEDULES, PipelineConfig
@@ -52,6 +54,8 @@ __all__ = [
     "BACKENDS",
     "BALANCE_STRATEGIES",
     "DEFAULT_LINK",
+    "FORMER_KEYWORDS",
+    "FORMER_MODULES",
     "FORMER_SECTIONS",
     "MAX_LOCAL_WORKERS",
     "MAX_NODES",
@@ -74,6 +78,8 @@ __all__ = [
     "DiagnosticsConfig",
     "DistConfig",
     "EmulateConfig",
+    "FormerModules",
+    "FormerName",
     "MetricsConfig",
     "ParallelConfig",
     "PipelineConfig",
@@ -87,6 +93,7 @@ __all__ = [
     "current_layout",
     "dumps",
     "field_types",
+    "former_keywords",
     "from_dict",
     "load",
     "load_toml",

@@ -54,8 +54,10 @@ FSDP1 (``fsdp_version=1``), DeepSpeed and Megatron-LM are refused.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -84,7 +86,8 @@ def attach(accelerator: Accelerator, model: nn.Module, **session_kwargs: Any) ->
         **session_kwargs: :meth:`poise.Session.from_kwargs`'s keywords (:class:`poise.Data`'s
             ``lengths``, ``loss_terms``, ``batch_size``, ``accum_steps``, ...; the session's
             ``balance``, ``comm``, ``out_dir``, ...), same units. The session's ``backward`` is
-            ``accelerator.backward``.
+            ``accelerator.backward``; ``accelerator.clip_grad_norm_`` (and ``_value_``) refuse
+            a call inside a step before its backward (it would clip nothing).
 
     Returns:
         The session; ``session.model`` is ``model`` with poise's comm hook registered (DDP) or
@@ -99,7 +102,26 @@ def attach(accelerator: Accelerator, model: nn.Module, **session_kwargs: Any) ->
     session = Session.from_kwargs(model, **session_kwargs)
     session.backward = accelerator.backward  # its grad scaler under mixed precision
     session.add_listener(_UnpreparedLoader(accelerator, session.sampler))
+    for name in ("clip_grad_norm_", "clip_grad_value_"):  # (an instance attribute: this accelerator only)
+        setattr(accelerator, name, _clip_after_backward(session, name, getattr(accelerator, name)))
     return session
+
+
+def _clip_after_backward(session: Session, name: str, clip: Callable[..., Any]) -> Callable[..., Any]:
+    """``accelerator.<name>`` refusing, in one line, a call inside a step before its backward:
+    there is no gradient yet, so it would clip nothing and the step's gradient would go to the
+    optimizer unclipped without a word."""
+
+    @functools.wraps(clip)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        step = session.open_step
+        if step is not None and not step.backward_done:
+            raise ValueError(f"accelerator.{name}() in step {step.index} before step.backward(loss): there is no "
+                             "gradient yet, so it clips nothing; call it after step.backward(loss), before "
+                             "optimizer.step()")
+        return clip(*args, **kwargs)
+
+    return checked
 
 
 def _check(accelerator: Accelerator, model: nn.Module) -> None:

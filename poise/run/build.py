@@ -18,12 +18,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from poise.balance import BalancedBatchSampler
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner, load_replans
 from poise.comm import registry
 from poise.config import (
+    OUTER_CODECS,
+    OUTER_MODES,
     BalanceConfig,
     CommConfig,
     DiagnosticsConfig,
@@ -86,10 +89,18 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     deadline = straggler.enabled or bool(emulate.delay)
     if isinstance(model, FSDPModule):
         _check_sharded(sync_config, straggler, emulate)
+    _check_model(model)
     if sync_config.outer and (deadline or comm.local_first):
         raise ValueError(f"sync.mode={sync_config.mode!r} meets the other ranks every few steps, not at every step's "
                          f"deadline: it needs straggler='off' (not {straggler.mode!r}), no emulated delays and no "
                          "comm.local_first")
+    if sync_config.mode in OUTER_MODES and comm.codec != "none" and not sync_config.warmup_steps \
+            and sync_config.inner_scope == "rank":
+        raise ValueError(f"comm.codec={comm.codec!r} compresses the per-step gradient all-reduce, which sync.mode="
+                         f"{sync_config.mode!r} never runs (inner steps send nothing; the outer step sends the "
+                         "parameter change): compress that with SyncConfig(codec=...) (allowed: "
+                         f"{', '.join(OUTER_CODECS)}), or leave comm.codec='none' (it applies only to "
+                         "sync.warmup_steps and inner_scope='node')")
     if deadline and data.accum_steps != 1:
         raise ValueError(f"accum_steps={data.accum_steps} with straggler.mode={straggler.mode!r} (or delays): "
                          "a deadline step accumulates its own micro-batches (straggler.micro_batches); "
@@ -149,6 +160,25 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
                  collective_device=collective_device, sampler=sampler,
                  loss_terms=loss_terms, partitioner=partitioner, clock=clock, sync=sync, emulation=emulation,
                  recorder=recorder, metrics=exporter, freed_memory=freed_memory, compression_start=start)
+
+
+def _check_model(model: nn.Module) -> None:
+    """Refuse, in one line, a model a session cannot take as it is: one whose blocks are sharded
+    with ``fully_shard`` but not its root (its forward would mix plain tensors and DTensors:
+    torch's ``aten.cat ... mixed torch.Tensor and DTensor``), and a DDP model that already has
+    a communication hook (a second ``attach``/``Session`` on it: torch's ``register_comm_hook
+    can only be called once``)."""
+    if not isinstance(model, FSDPModule):
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        sharded = [name for name, m in inner.named_modules() if isinstance(m, FSDPModule)]
+        if sharded:
+            raise ValueError(f"the model's submodule(s) {', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''} "
+                             "are sharded with fully_shard but the model itself is not: call fully_shard(model) on "
+                             "the root too, after its blocks, and pass that")
+    if isinstance(model, DistributedDataParallel) and getattr(model, "_comm_hooks", None):
+        raise ValueError("this DDP model already has a communication hook (a poise session was made on it before, or "
+                         "you registered one): make one session per model and reuse it (session.model), or pass a "
+                         "DDP model without a hook")
 
 
 def _check_sharded(sync_config: SyncConfig, straggler: StragglerConfig, emulate: EmulateConfig) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import sys
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,6 +33,15 @@ from poise.runtime.clock import Clock, HostClock
 from poise.sync import Sync
 
 T = TypeVar("T")
+
+
+@dataclass
+class Progress:
+    """What the check for a forgotten ``finish()`` reads of a recorder (:func:`warn_unfinished`),
+    kept apart so the check holds no reference to the recorder, its model or its session."""
+
+    steps_done: int = 0
+    finished: bool = False
 
 
 class Recorder:
@@ -55,7 +64,7 @@ class Recorder:
         self.clock, self.timeline, self.lengths, self.sync = clock, timeline, lengths, sync
         self.partitioner, self.trial, self.freed_memory, self.last_step = partitioner, trial, freed_memory, last_step
         self.active: Step | None = None
-        self.steps_done = 0  # steps (micro-batches) recorded, over all epochs
+        self.progress = Progress()  # steps recorded, report written: what the exit check reads
         self.last_record: StepRecord | None = None
         self.pending: deque[StepMarks] = deque()
         self.lag = 0 if isinstance(clock, HostClock) else 1  # CUDA: read a step's events one step later
@@ -64,9 +73,26 @@ class Recorder:
         self.clock_s: float | None = None  # when the first step opened: training time counts from there
         self.eval_s = 0.0  # seconds spent in evaluations, left out of the training time
         self.eval_curve: list[dict[str, float]] = []
-        self.finished = False  # the report was written (write_report ran)
         # a resumed step's strategy end (Step.sync_end's arguments), run before the next step or the report
         self.due_end: dict[str, Any] | None = None
+
+    @property
+    def steps_done(self) -> int:
+        """Steps (micro-batches) recorded, over all epochs (resumed ones included)."""
+        return self.progress.steps_done
+
+    @steps_done.setter
+    def steps_done(self, value: int) -> None:
+        self.progress.steps_done = value
+
+    @property
+    def finished(self) -> bool:
+        """Whether the report was written (:func:`write_report` ran)."""
+        return self.progress.finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self.progress.finished = value
 
     # -- the open step (StepOwner) -----------------------------------------------------------
 
@@ -203,13 +229,14 @@ def write_report(recorder: Recorder, *, rank: int, world_size: int, per_rank: di
     return report
 
 
-def warn_unfinished(ref: weakref.ref[Recorder], rank: int) -> None:
-    """At exit (``atexit``): say so when steps were trained but no report was written
-    (``session.finish()`` never ran), so the run does not pass for a finished one."""
-    recorder = ref()
-    if recorder is not None and not recorder.finished and recorder.steps_done and rank == 0:
-        sys.stderr.write(f"poise: {recorder.steps_done} steps were trained but session.finish() was never called: "
+def warn_unfinished(progress: Progress, rank: int) -> None:
+    """When a session's recorder is collected (the session went out of scope, e.g. at the end
+    of the ``main()`` that made it), or at exit if it never was (``weakref.finalize``): say so
+    when steps were trained but no report was written (``session.finish()`` never ran), so
+    the run does not pass for a finished one."""
+    if not progress.finished and progress.steps_done and rank == 0:
+        sys.stderr.write(f"poise: {progress.steps_done} steps were trained but session.finish() was never called: "
                          "no report.json was written (call it on every rank after the last step)\n")
 
 
-__all__ = ["Recorder", "run_keys", "warn_unfinished", "write_report"]
+__all__ = ["Progress", "Recorder", "run_keys", "warn_unfinished", "write_report"]

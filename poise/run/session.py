@@ -29,7 +29,6 @@ How it is put together: :mod:`poise.run.build` (the parts), :mod:`poise.run.step
 
 from __future__ import annotations
 
-import atexit
 import logging
 import time
 import weakref
@@ -47,6 +46,7 @@ from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner
 from poise.comm.trial import CodecTrial
 from poise.config import BalanceConfig, CommConfig, DiagnosticsConfig, EmulateConfig, MetricsConfig, StragglerConfig
+from poise.config.former import CHANGES, FormerName, former_keywords
 from poise.config.sync import SyncConfig
 from poise.decide import decisions
 from poise.diagnostics import report as report_mod
@@ -57,6 +57,7 @@ from poise.run.data import DATA_FIELDS, Data, Sampler, check_dataset, check_load
 from poise.run.record import run_keys, warn_unfinished, write_report
 from poise.run.state import load_session_state, session_state
 from poise.run.step import DeadlineStep, Step, StepEnv, StepListener
+from poise.run.terms import install_label_count, planned_terms
 from poise.runtime import dist as rdist
 from poise.runtime import memory
 from poise.runtime.clock import Clock
@@ -143,14 +144,16 @@ class Session:
         self.metrics: MetricsExporter | None = parts.metrics
         self.freed_memory: memory.FreedMemory | None = parts.freed_memory
         self.compression_start = parts.compression_start
-        self.backward: Callable[[torch.Tensor], Any] | None = None
         self._emulation = parts.emulation
         self._recorder = parts.recorder
         self._env = StepEnv(sync=parts.sync, clock=parts.clock, lengths=self.lengths, world_size=self.world_size,
                             owner=parts.recorder, listeners=list(parts.emulation.listeners),
-                            device=parts.collective_device, accum_steps=self.accum_steps)
+                            device=parts.collective_device, accum_steps=self.accum_steps,
+                            labels=install_label_count(parts.sync.model),
+                            planned_terms=planned_terms(self.loss_terms, self.lengths))
         self._loop_step: Step | None = None  # the step a session.steps loop holds open
-        atexit.register(warn_unfinished, weakref.ref(parts.recorder), self.rank)
+        # a forgotten finish() is said when the session is dropped (the end of a main()) or at exit
+        weakref.finalize(parts.recorder, warn_unfinished, parts.recorder.progress, self.rank)
         rdist.close_at_exit()  # the process group goes before the interpreter finalizes (see there)
 
     def add_listener(self, listener: StepListener) -> None:
@@ -169,6 +172,9 @@ class Session:
             ValueError: one line naming a keyword that is neither.
         """
         unknown = sorted(set(kwargs) - set(DATA_FIELDS) - set(SESSION_KEYWORDS))
+        former = former_keywords(unknown)
+        if former:  # a keyword of an older poise: say what replaced it
+            raise FormerName(f"session keyword(s) {', '.join(former)} ({CHANGES})")
         if unknown:
             raise ValueError(f"unknown session keyword(s) {', '.join(unknown)}: allowed are "
                              f"{', '.join(sorted(DATA_FIELDS + SESSION_KEYWORDS))}")
@@ -189,6 +195,20 @@ class Session:
         what to save, load and evaluate."""
         model = self.sync.model
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    @property
+    def backward(self) -> Callable[[torch.Tensor], Any] | None:
+        """How :meth:`Step.backward` runs backward when not given a way (see class doc)."""
+        return self._env.backward
+
+    @backward.setter
+    def backward(self, run: Callable[[torch.Tensor], Any] | None) -> None:
+        self._env.backward = run  # the steps read it at each backward
+
+    @property
+    def open_step(self) -> Step | None:
+        """The step open now (from :meth:`step` or :meth:`steps` until it ends), or None."""
+        return self._recorder.active
 
     @property
     def steps_done(self) -> int:

@@ -11,6 +11,7 @@ optimizer step, and reads its traffic when it closes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -20,11 +21,16 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from poise.run.marks import StepMarks
+from poise.run.terms import LabelCount
 from poise.runtime.clock import Clock
 from poise.sync import Deadline, Sync
 from poise.sync.deadline import StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class StepListener(Protocol):
@@ -70,6 +76,13 @@ class StepEnv:
             None: ``loss.backward()``). Read at each call.
         device: where small collectives' tensors live (the process group's device).
         accum_steps: micro-batches per optimizer step (a micro-batch's weight divides by it).
+        labels: the loss terms counted in a Hugging Face model's forward (``labels=``), or None
+            (another model: the planned ``Data.loss_terms`` weigh the step).
+        planned_terms: what the planned weights assume when that may not be the loss's terms
+            (``Data.loss_terms`` not given and samples of unequal lengths), said once when no
+            count replaces them; None: nothing to say.
+        items_agreed: whether the ranks agreed, at this session's first backward, on counting
+            the terms in hand (``num_items`` or ``labels``) or not.
     """
 
     sync: Sync
@@ -81,6 +94,35 @@ class StepEnv:
     backward: Callable[[torch.Tensor], Any] | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     accum_steps: int = 1
+    labels: LabelCount | None = None
+    planned_terms: str | None = None
+    items_agreed: bool = False
+    _param_ids: frozenset[int] | None = field(default=None, repr=False)
+
+    def param_ids(self) -> frozenset[int]:
+        """``id`` of every parameter of the model (to tell the model's optimizer from others)."""
+        if self._param_ids is None:
+            self._param_ids = frozenset(id(p) for p in self.sync.model.parameters())
+        return self._param_ids
+
+
+class _AccumulatingCheck:
+    """An optimizer-step pre-hook armed over a micro-batch that only accumulates
+    (``step.sync`` False): its gradient was not reduced, so an optimizer step there would
+    move each rank on its own gradient and the replicas would drift apart without a word.
+    Refused in one line before the step changes anything (another optimizer, of parameters
+    outside the model, passes)."""
+
+    def __init__(self, env: StepEnv, index: int) -> None:
+        self.env, self.index = env, index
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        ids = self.env.param_ids()
+        if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(f"optimizer.step() in step {self.index}, a micro-batch that only accumulates (step.sync "
+                             f"is False, accum_steps={self.env.accum_steps}): its gradient was not reduced across "
+                             "ranks, so each rank would step on its own and the replicas drift apart; step the "
+                             "optimizer (and zero the gradients) only when step.sync is True")
 
 
 class Step:
@@ -92,7 +134,8 @@ class Step:
         indices: this rank's sample indices for the step.
         weight: the factor :meth:`backward` multiplies the loss by (exact weighting, divided
             by ``accum_steps``).
-        sync: whether gradients are reduced in this step (step your optimizer only then).
+        sync: whether gradients are reduced in this step (step your optimizer only then: an
+            optimizer step of the model's parameters in another is refused).
         skipped: set it True when you skipped the optimizer step (reported as such).
         loss: the loss given to :meth:`backward` (a detached tensor), or None.
     """
@@ -107,6 +150,7 @@ class Step:
         self._items: float | None = None  # backward's num_items, if given
         self._marks: StepMarks | None = None
         self._cpu_from = self._thread_cpu_from = 0.0  # process and thread CPU seconds where the step began
+        self._accumulating: RemovableHandle | None = None  # the optimizer-step check of a non-sync micro-batch
 
     @property
     def backward_done(self) -> bool:
@@ -127,6 +171,8 @@ class Step:
         for listener in env.listeners:  # first: a listener may refuse the step before it opens
             listener.step_began(self.index)
         last_exit_cpu_s = env.owner.opened(self)
+        if env.labels is not None:
+            env.labels.reset()  # the count of this step's forward, not the last one's
         env.sync.begin_step(self.index)
         env.sync.micro_batch(self.sync)  # DDP's no_sync must cover the forward too: it arms the reduction there
         # CPU since the previous step ended (its data loading included), or from here for the first
@@ -136,6 +182,13 @@ class Step:
         self._marks = StepMarks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=env.clock.mark(),
                                 indices=self.indices, samples=len(lengths), tokens=int(lengths.sum()),
                                 padded_tokens=int(len(lengths) * lengths.max()) if len(lengths) else 0)
+        if not self.sync:
+            self._accumulating = register_optimizer_step_pre_hook(_AccumulatingCheck(env, self.index))
+
+    def _disarm(self) -> None:
+        if self._accumulating is not None:
+            self._accumulating.remove()
+            self._accumulating = None
 
     def _open_marks(self, what: str) -> StepMarks:
         """The marks of this step if it is open; a one-line error naming ``what`` otherwise."""
@@ -160,16 +213,22 @@ class Step:
         label, e.g. ``(labels[:, 1:] != -100).sum()`` for a Hugging Face causal LM, which shifts
         its labels). Given, the weight is this rank's share of the terms every rank counted (one
         small all-reduce: pass it on every rank alike), so the gradient is exact whatever
-        ``Data.loss_terms`` says; None: the weight of the planned batches' ``loss_terms``.
+        ``Data.loss_terms`` says. None: for a Hugging Face model given ``labels=`` in this step's
+        forward, the terms its loss averages over are counted from them (:mod:`poise.run.terms`);
+        otherwise the weight of the planned batches' ``loss_terms``.
 
         Raises:
-            ValueError: after the step ended, or a second time in one step.
+            ValueError: after the step ended, a second time in one step, or (at the session's
+                first backward) ``num_items`` given on some ranks only.
         """
         m = self._open_marks("step.backward()")
         if m.backward is not None:
             raise ValueError(f"step.backward() called twice in step {self.index}: once per step")
         env = self.env
-        weight = self.weight if num_items is None else self._counted_weight(num_items)
+        counted = num_items if num_items is not None else env.labels.count if env.labels is not None else None
+        if not env.items_agreed:
+            self._agree_on_counting(num_items is not None, counted is not None)
+        weight = self.weight if counted is None else self._counted_weight(counted)
         m.backward = env.clock.mark()
         self._run_backward(loss * weight, backward)
         m.backward_end = env.clock.mark()
@@ -177,6 +236,28 @@ class Step:
         m.ready = env.sync.probe.last_ready
         m.in_flight = list(env.sync.probe.in_flight)
         self.loss = loss.detach()
+
+    def _agree_on_counting(self, given: bool, counted: bool) -> None:
+        """At the session's first backward, on every rank: whether each rank counts the terms in
+        hand. A count on some ranks only would pair its all-reduce with another collective
+        (gloo aborts, NCCL hangs or mixes buffers): refused in one line, naming the ranks.
+        Without a count, say once what the planned weights assume."""
+        env = self.env
+        env.items_agreed = True
+        mine = torch.tensor([float(given), float(counted)], dtype=torch.float64, device=env.device)
+        every = [torch.zeros_like(mine) for _ in range(env.world_size)]
+        dist.all_gather(every, mine)
+        flags = torch.stack(every).cpu()
+        if 0 < int(flags[:, 1].sum()) < env.world_size:
+            on = [r for r in range(env.world_size) if flags[r, 1] > 0]
+            off = [r for r in range(env.world_size) if flags[r, 1] == 0]
+            what = "step.backward(num_items=...)" if flags[:, 0].any() else "labels= in the model's forward"
+            raise ValueError(f"{what} counts the loss terms on rank(s) {on} but not on {off}: the count is summed "
+                             "over the ranks, so give it on every rank alike (or on none)")
+        if not counted and env.planned_terms is not None and dist.get_rank() == 0:
+            log.warning("poise weighs each rank's mean loss by its share of the step's samples (%s): exact for a "
+                        "loss averaged over samples; for one averaged over tokens give step.backward(loss, "
+                        "num_items=<terms in the batch>) or Data(loss_terms=...)", env.planned_terms)
 
     def _counted_weight(self, num_items: float | torch.Tensor) -> float:
         """``world × mine / every rank's`` terms, divided by the accumulation: the weight of
@@ -206,6 +287,7 @@ class Step:
         if m is None or not self.env.owner.is_open(self):
             raise ValueError(f"step {self.index} is not open: end() once per session.step()")
         env = self.env
+        self._disarm()
         if m.backward is None:
             buckets = env.sync.probe.buckets_this_step
             self.abort()
@@ -230,6 +312,7 @@ class Step:
 
     def abort(self) -> None:
         """Close the step without recording it (an error interrupted it)."""
+        self._disarm()
         self.env.sync.micro_batch(True)
         if self.env.owner.is_open(self):
             for listener in self.env.listeners:

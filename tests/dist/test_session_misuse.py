@@ -147,7 +147,7 @@ def test_a_replayed_plan_gives_the_same_batches(tmp_path):
     assert again == first
 
 
-def test_a_session_left_without_finish_says_so_at_exit(tmp_path):
+def test_a_session_left_without_finish_says_so_even_inside_main(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
@@ -157,18 +157,27 @@ def test_a_session_left_without_finish_says_so_at_exit(tmp_path):
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         import poise
         from tests.dist.test_session import LENGTHS, Sequences, _model, collate, token_mean_loss
-        session = poise.Session(_model(), poise.Data(lengths=LENGTHS, batch_size=4))
-        for k, (step, (x, y)) in enumerate(session.steps(session.dataloader(Sequences(), collate_fn=collate))):
-            step.backward(token_mean_loss(session.model, x, y))
-            if k == 1:
-                break
+
+        def main():  # the usual layout: the session dies with main(), long before the interpreter exits
+            session = poise.Session(_model(), poise.Data(lengths=LENGTHS, batch_size=4))
+            for k, (step, (x, y)) in enumerate(session.steps(session.dataloader(Sequences(), collate_fn=collate))):
+                step.backward(token_mean_loss(session.model, x, y))
+                if k == 1:
+                    break
+
+        main()
+        import gc
+        gc.collect()
+        print("main returned", file=sys.stderr, flush=True)
         dist.destroy_process_group()
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == ("poise: 2 steps were trained but session.finish() was never "
-                                                   "called: no report.json was written (call it on every rank after "
-                                                   "the last step)")
+    lines = proc.stderr.strip().splitlines()
+    said = ("poise: 2 steps were trained but session.finish() was never called: no report.json was written (call it "
+            "on every rank after the last step)")
+    assert said in lines, proc.stderr[-2000:]  # said when the session was dropped, or at exit: once
+    assert lines.count(said) == 1
 
 
 def _fall_back(rank: int, world_size: int) -> dict:
@@ -202,3 +211,72 @@ def test_an_older_state_can_replace_a_loaded_one_until_the_first_step():
     for result in run_ranks(_fall_back, world_size=2, timeout_s=60):
         assert result["index"] == 1  # the step after the older state's, not after the first one loaded
         assert result["late"] == "load_state_dict after 2 steps: load before the first step"
+
+
+def _mistakes(rank: int, world_size: int) -> dict:
+    """Issue 57's silent mistakes, each tried on a real session: what each rank was told."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    errors: dict[str, str] = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except ValueError as exc:
+            errors[name] = str(exc)
+
+    data = poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4, total_steps=10)
+    # a per-step codec under an outer strategy, whose inner steps reduce no gradient (item 3)
+    catch("outer_codec", lambda: poise.Session(_model(), data, sync="diloco", comm="powersgd"))
+
+    def half_sharded() -> None:  # the blocks sharded, the root not (item 7)
+        model = _model()
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (world_size,)))
+        poise.Session(model, data)
+
+    catch("root", half_sharded)
+    first = poise.Session(_model(), data, balance="cost")
+    catch("again", lambda: poise.Session(first.model, data))  # a second session on the same DDP model
+
+    def budget() -> None:
+        first.sampler.batch_cost = 1.0
+
+    catch("budget", budget)
+
+    def one_rank() -> None:  # the terms counted on rank 0 only
+        for step, (x, y) in first.steps(first.dataloader(Sequences(), collate_fn=collate)):
+            step.backward(token_mean_loss(first.model, x, y), num_items=_real_terms(y) if rank == 0 else None)
+
+    catch("one_rank", one_rank)
+    session = poise.Session(_model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4, accum_steps=2))
+    optimizer = torch.optim.SGD(session.model.parameters(), lr=0.1)
+
+    def every_micro_batch() -> None:  # accum_steps=2, step.sync ignored (item 4)
+        for step, (x, y) in session.steps(session.dataloader(Sequences(), collate_fn=collate)):
+            step.backward(token_mean_loss(session.model, x, y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+    catch("accumulating", every_micro_batch)
+    errors["unchanged"] = all(torch.equal(p, q) for p, q in zip(session.module.parameters(), _model().parameters(),
+                                                                strict=True))
+    return errors
+
+
+def test_silent_mistakes_are_refused_in_one_line_before_they_train():
+    for errors in run_ranks(_mistakes, world_size=2, timeout_s=90):
+        assert errors["outer_codec"].startswith("comm.codec='powersgd' compresses the per-step gradient all-reduce, "
+                                                "which sync.mode='diloco' never runs")
+        assert "SyncConfig(codec=...)" in errors["outer_codec"]
+        assert errors["root"].startswith("the model's submodule(s) 0 are sharded with fully_shard but the model "
+                                         "itself is not: call fully_shard(model) on the root too")
+        assert errors["again"].startswith("this DDP model already has a communication hook")
+        assert errors["budget"].startswith("sampler.batch_cost = 1.0: the budget is fixed")
+        assert errors["one_rank"] == ("step.backward(num_items=...) counts the loss terms on rank(s) [0] but not on "
+                                      "[1]: the count is summed over the ranks, so give it on every rank alike (or on "
+                                      "none)")
+        assert errors["accumulating"].startswith("optimizer.step() in step 0, a micro-batch that only accumulates "
+                                                 "(step.sync is False, accum_steps=2)")
+        assert errors["unchanged"]
+        assert all("\n" not in v for v in errors.values() if isinstance(v, str))

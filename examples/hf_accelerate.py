@@ -4,13 +4,17 @@ A random-init GPT-2 from ``transformers`` learns byte tokens of the standard lib
 docstrings (samples of very unequal length) under Accelerate on the CPU, through
 ``poise.integrations.accelerate.attach``. The loss is Hugging Face's: the model shifts its
 labels and averages over the tokens whose label is not -100, so the step counts those terms
-in the batch in hand (``step.backward(loss, num_items=...)``) for the exact gradient.
+in the batch in hand (``step.backward(loss, num_items=...)``) for the exact gradient; with
+``--count-from-labels`` it passes no count and the session counts them from ``labels=``.
 
 ``--check-gradient``: rank 0 recomputes the first step's gradient in one process on the union
 of both ranks' (unequal) batches and prints the largest relative difference.
 ``--prepare-loader``: the Accelerate habit of passing the session's loader through
 ``accelerator.prepare`` (refused before the first step trains, in ``session.steps`` and, with
 ``--step-context``, in ``session.step()``).
+``--check-misuse``: rank 0 prints the one line each of three mistakes gets (``refused: ...``):
+clipping before the step's backward, a second ``attach`` on the prepared model, and the
+former keyword ``rank_speed``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import inspect
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,6 +98,9 @@ def main() -> None:
     parser.add_argument("--check-gradient", action="store_true")
     parser.add_argument("--prepare-loader", action="store_true")
     parser.add_argument("--step-context", action="store_true", help="`with session.step()` instead of session.steps")
+    parser.add_argument("--balance", default="dynamic", help="static | cost | dynamic")
+    parser.add_argument("--count-from-labels", action="store_true", help="no num_items: counted from labels=")
+    parser.add_argument("--check-misuse", action="store_true")
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
     logging.basicConfig(level=logging.WARNING)
@@ -101,14 +109,21 @@ def main() -> None:
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     net, optimizer = accelerator.prepare(net, optimizer)
-    session = attach(accelerator, net, lengths=dataset.lengths, batch_size=8, balance="dynamic",
-                     emulate=args.emulate or None, out_dir=args.out, total_steps=args.steps)
+    settings = {"lengths": dataset.lengths, "batch_size": 8, "balance": args.balance, "out_dir": args.out,
+                "total_steps": args.steps}
+    session = attach(accelerator, net, emulate=args.emulate or None, **settings)
+    if args.check_misuse:
+        refused(lambda: attach(accelerator, net, **settings), session.rank)
+        refused(lambda: attach(accelerator, net, rank_speed="1:0.5", **settings), session.rank)
     loader = session.dataloader(dataset, collate_fn=collate)
     if args.prepare_loader:
         loader = accelerator.prepare(loader)
     steps = ((session.step(), batch) for batch in loader) if args.step_context else session.steps(loader)
     for k, (step, batch) in enumerate(steps):
-        step.backward(session.model(**batch).loss, num_items=terms(batch))
+        loss = session.model(**batch).loss
+        if k == 0 and args.check_misuse:
+            refused(lambda: accelerator.clip_grad_norm_(session.model.parameters(), 1.0), session.rank)
+        step.backward(loss, num_items=None if args.count_from_labels else terms(batch))
         if k == 0 and args.check_gradient:
             check_gradient(session, dataset, step.position)
         optimizer.step()
@@ -121,6 +136,17 @@ def main() -> None:
     accelerator.end_training()
     if dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"done": True, "report": str(Path(args.out) / "report.json")}))
+
+
+def refused(mistake: Callable[[], object], rank: int) -> None:
+    """Run ``mistake``, which poise must refuse in one line; rank 0 prints that line."""
+    try:
+        mistake()
+    except ValueError as exc:
+        if rank == 0:
+            print(f"refused: {exc}", flush=True)
+        return
+    raise AssertionError("poise accepted a mistake")
 
 
 def check_gradient(session: poise.Session, dataset: Docstrings, position: int) -> None:

@@ -34,13 +34,23 @@ def _run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env=env)
 
 
-def test_counted_terms_give_hf_loss_its_exact_gradient(tmp_path):
-    proc = _run(tmp_path, "--check-gradient", "--steps", "4")
+def test_hf_loss_gets_its_exact_gradient_without_a_count_and_mistakes_are_refused(tmp_path):
+    """No num_items and no loss_terms, on the static split (where one term per sample was off by
+    8.1e-3): the terms are counted from labels=, shifted as GPT-2's loss shifts them. The same run
+    tries three mistakes, each refused in one line: clipping before the step's backward, a
+    second attach on the prepared model, the former keyword rank_speed (issue 57, items 5, 7, 8)."""
+    proc = _run(tmp_path, "--check-gradient", "--count-from-labels", "--balance", "static", "--check-misuse",
+                "--steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     worst = float(re.search(r"gradient max relative difference (\S+)", proc.stdout).group(1))
-    assert worst < 1e-4, proc.stdout  # float32 sums in another order; the per-sample default is off by ~1e-2
+    assert worst < 1e-5, proc.stdout  # float32 sums in another order
+    refused = [line.removeprefix("refused: ") for line in proc.stdout.splitlines() if line.startswith("refused: ")]
+    assert refused[0].startswith("this DDP model already has a communication hook"), proc.stdout
+    assert refused[1].startswith("session keyword(s) rank_speed (now emulate='RANK:SPEED,...'"), proc.stdout
+    assert refused[2].startswith("accelerator.clip_grad_norm_() in step 0 before step.backward(loss): there is no "
+                                 "gradient yet"), proc.stdout
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["steps"] == 4 and report["world_size"] == 2 and report["balance_strategy"] == "dynamic"
+    assert report["steps"] == 2 and report["world_size"] == 2 and report["balance_strategy"] == "static"
 
 
 @pytest.mark.parametrize("loop", ["steps", "step-context"])

@@ -5,11 +5,11 @@ against it.
 
 1. **A slow rank.** code-lm on 2 workers with rank 1 emulated at half speed
    (``--rank-speed 1:0.5``), three runs: static sharding (torch's DistributedSampler, what plain
-   DDP does), ``--balance cost`` (steps of similar-length samples split by predicted cost: length
-   bucketing, no speed re-planning) and ``--balance dynamic`` (cost, re-planned from the ranks'
-   measured speeds). cost / static is what length bucketing gives, dynamic / cost what
-   speed-aware re-planning adds on top. Then ``poise diagnose run`` on the static run, which
-   names the slow rank.
+   DDP does), poise with no settings (``--balance auto``, the default: DDP's own steps, each
+   split by cost and by the ranks' measured speeds into ranges of similar lengths) and
+   ``--balance dynamic`` (length bucketing too, which changes the steps' samples). auto / static
+   is what poise gives without a setting, dynamic / auto what length bucketing adds on top.
+   Then ``poise diagnose run`` on the static run, which names the slow rank.
 2. **A slow network** (needs root, ``ip`` and ``tc``; elsewhere one line says why it is
    skipped). A two-node emulated cluster behind 1 Gbit/s links (``--cluster 2:1 --link
    1gbit``) trains the widened model of ``poise bench network``: plain DDP (``--codec none``)
@@ -41,8 +41,8 @@ from poise.diagnostics.timeline import load_table
 from poise.log import make_console
 from poise.units import link_rate_bit_per_s
 
-HELP = ("what poise changes: static vs cost vs dynamic balancing with a slow rank, DDP vs compressed "
-        "over a slow link")
+HELP = ("what poise changes: plain DDP vs poise with no settings vs dynamic balancing with a slow rank, DDP vs "
+        "compressed over a slow link")
 
 # The compressed run of the network comparison: poise train flags (the codec and its settings).
 COMPRESSED_FLAGS: tuple[str, ...] = ("--codec", "powersgd")
@@ -113,9 +113,9 @@ def comparisons(args: argparse.Namespace) -> list[Comparison]:
             str(EVAL_SAMPLES), "--rank-speed", f"{SLOW_RANK}:{SLOW_SPEED}", "--emulate.slowdown_method",
             args.slowdown]
     chosen = [Comparison("slow-rank", f"rank {SLOW_RANK} at {SLOW_SPEED:g} speed, 2 workers", (
-        Run("static", "static sharding", [*slow, "--balance", "static"]),
-        Run("cost", "poise cost (length bucketing)", [*slow, "--balance", "cost"]),
-        Run("dynamic", "poise dynamic (+ speed re-planning)", [*slow, "--balance", "dynamic"]),
+        Run("static", "plain DDP (static sharding)", [*slow, "--balance", "static"]),
+        Run("auto", "poise, no settings", [*slow, "--balance", "auto"]),
+        Run("dynamic", "poise dynamic (+ length bucketing)", [*slow, "--balance", "dynamic"]),
     ))]
     if args.network_reason is None:
         link = ["--steps", str(args.network_steps), "--cluster", "2:1", "--link", args.link, *MODEL_ARGS]
@@ -234,17 +234,19 @@ def comparison_rows(chosen: Sequence[Comparison], results: Sequence[dict[str, An
 
 
 def credit_line(rows: Sequence[dict[str, Any]]) -> str:
-    """Where the slow-rank gain in tokens/s comes from, in one line: length bucketing (cost over
-    static) and speed-aware re-planning (dynamic over cost), whose product is dynamic over static.
-    Empty when a ratio is missing."""
+    """Where the slow-rank gain in tokens/s comes from, in one line: poise with no settings (auto
+    over static: DDP's samples split by speed and length) and length bucketing (dynamic over
+    auto, which changes the steps' samples), whose product is dynamic over static. Empty when a
+    ratio is missing."""
     ratio = {(r["of"], r["over"]): r["throughput_tokens_per_s"] for r in rows
              if r["role"] == "ratio" and r["comparison"] == "slow-rank"}
-    bucketing, replanning = ratio.get(("cost", "static")), ratio.get(("dynamic", "cost"))
+    no_settings, bucketing = ratio.get(("auto", "static")), ratio.get(("dynamic", "auto"))
     total = ratio.get(("dynamic", "static"))
-    if bucketing is None or replanning is None or total is None:
+    if no_settings is None or bucketing is None or total is None:
         return ""
-    return (f"where the slow-rank gain in tokens/s comes from: length bucketing (cost) {bucketing:.2f}x static's, "
-            f"speed-aware re-planning (dynamic) a further {replanning:.2f}x, {total:.2f}x in all")
+    return (f"where the slow-rank gain in tokens/s comes from: poise with no settings (auto: DDP's samples split by "
+            f"speed and length) {no_settings:.2f}x static's, length bucketing (dynamic, other samples per step) a "
+            f"further {bucketing:.2f}x, {total:.2f}x in all")
 
 
 def show_comparison(console: Any, rows: Sequence[dict[str, Any]]) -> None:

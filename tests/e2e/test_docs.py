@@ -173,22 +173,22 @@ FROM_OTHER_PAGES: dict[str, list[tuple[str, str]]] = {
 
 
 def _demo_shows_the_comparison(result: subprocess.CompletedProcess[str], workspace: Path) -> None:
-    """``make demo``: the table of ratios (static, cost and dynamic with the slow rank: each over
-    static, and dynamic over cost) and the line crediting the gain to its two causes, compare.png,
+    """``make demo``: the table of ratios (static, auto and dynamic with the slow rank: each over
+    static, and dynamic over auto) and the line crediting the gain to its two causes, compare.png,
     the diagnosis naming the slow rank, and the slow-network comparison run where a cluster can
     be built (else one line saying why not)."""
     import json
 
     out = workspace / "runs" / "demo"
-    for text in ("cost / static", "dynamic / static", "dynamic / cost", "length bucketing (cost)",
+    for text in ("auto / static", "dynamic / static", "dynamic / auto", "poise with no settings (auto",
                  str(Path("runs/demo/compare.png"))):
         assert text in result.stdout, text
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     data = json.loads((out / "demo.json").read_text())
     assert data["diagnosis"]["rule"] == "straggler" and data["diagnosis"]["rank"] == 1, data["diagnosis"]
-    assert [r["name"] for r in data["runs"] if r["comparison"] == "slow-rank"] == ["static", "cost", "dynamic"]
+    assert [r["name"] for r in data["runs"] if r["comparison"] == "slow-rank"] == ["static", "auto", "dynamic"]
     ratios = [(r["comparison"], r["run"]) for r in data["ratios"]]
-    slow_rank = [("slow-rank", "cost / static"), ("slow-rank", "dynamic / static"), ("slow-rank", "dynamic / cost")]
+    slow_rank = [("slow-rank", "auto / static"), ("slow-rank", "dynamic / static"), ("slow-rank", "dynamic / auto")]
     if cluster_support() is None:
         assert ratios == [*slow_rank, ("slow-link", "compressed / ddp")], ratios
     else:

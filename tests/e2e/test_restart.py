@@ -100,7 +100,7 @@ def test_resume_falls_back_when_a_checkpoint_that_verifies_cannot_be_restored(un
     written = directory.write_payload(newest, "optim.pt", tensors)
     manifest["files"]["optim.pt"] = written.entry()
     manifest["tensors"]["optim"][key]["sha256"] = layout.tensor_digest(tensors[key])
-    (newest / layout.MANIFEST).write_text(json.dumps(manifest))
+    (newest / layout.MANIFEST).write_text(json.dumps(layout.sealed(manifest)))
     job = [a if a != "2" or i != JOB.index("--epochs") + 1 else "3" for i, a in enumerate(JOB)]
     proc = run_poise(*job, "--resume", "--out", str(tmp_path), timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

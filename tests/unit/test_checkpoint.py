@@ -184,7 +184,7 @@ def test_a_checkpoint_cannot_run_code_even_with_a_matching_checksum(tmp_path):
     written = directory.write_payload(newest, "state.pt", {"evil": _Payload()})
     manifest = json.loads((newest / layout.MANIFEST).read_text())
     manifest["files"]["state.pt"] = written.entry()  # an attacker can fix the checksum up
-    (newest / layout.MANIFEST).write_text(json.dumps(manifest))
+    (newest / layout.MANIFEST).write_text(json.dumps(layout.sealed(manifest)))
     with pytest.raises(pickle.UnpicklingError):
         layout.load_file(newest / "state.pt")
     assert not Path("/tmp/poise-checkpoint-ran-code").exists()

@@ -33,7 +33,7 @@ def _rehash(path: Path, name: str) -> None:
     manifest = json.loads((path / layout.MANIFEST).read_text())
     data = (path / name).read_bytes()
     manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (path / layout.MANIFEST).write_text(json.dumps(manifest))
+    (path / layout.MANIFEST).write_text(json.dumps(layout.sealed(manifest)))
 
 
 def _rewrite(path: Path, name: str, payload: object) -> None:
@@ -47,7 +47,7 @@ def _reshaped_tensor(path: Path) -> None:
     tensors["model/4.weight"] = torch.zeros(2, 3)
     manifest = json.loads((path / layout.MANIFEST).read_text())
     manifest["tensors"]["model"]["model/4.weight"]["sha256"] = layout.tensor_digest(tensors["model/4.weight"])
-    (path / layout.MANIFEST).write_text(json.dumps(manifest))
+    (path / layout.MANIFEST).write_text(json.dumps(layout.sealed(manifest)))
     _rewrite(path, "model.pt", tensors)
 
 
@@ -56,7 +56,7 @@ def _retyped_tensor(path: Path) -> None:
     tensors["model/4.bias"] = tensors["model/4.bias"].to(torch.float64)
     manifest = json.loads((path / layout.MANIFEST).read_text())
     manifest["tensors"]["model"]["model/4.bias"]["sha256"] = layout.tensor_digest(tensors["model/4.bias"])
-    (path / layout.MANIFEST).write_text(json.dumps(manifest))
+    (path / layout.MANIFEST).write_text(json.dumps(layout.sealed(manifest)))
     _rewrite(path, "model.pt", tensors)
 
 

@@ -73,7 +73,7 @@ def _rehash(path: Path, name: str) -> None:
     manifest = json.loads((path / layout.MANIFEST).read_text())
     data = (path / name).read_bytes()
     manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (path / layout.MANIFEST).write_text(json.dumps(manifest))
+    (path / layout.MANIFEST).write_text(json.dumps(layout.sealed(manifest)))
 
 
 def _commands(root: str) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def test_a_manifest_with_one_part_replaced_is_refused_in_one_line_or_works(templ
         node[sorted(node)[len(path) % len(node)]] = value
     elif isinstance(node, list) and node:
         node[0] = value
-    (root / NEWEST / layout.MANIFEST).write_text(json.dumps(manifest))
+    (root / NEWEST / layout.MANIFEST).write_text(json.dumps(layout.sealed(manifest)))
     _check(root)
 
 

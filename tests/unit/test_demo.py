@@ -29,9 +29,9 @@ def _args(**overrides: object) -> argparse.Namespace:
 def test_the_slow_rank_runs_differ_only_in_the_balancing():
     args = _args(network_reason="--network off")
     (comparison,) = demo.comparisons(args)
-    assert [run.name for run in comparison.runs] == ["static", "cost", "dynamic"]
+    assert [run.name for run in comparison.runs] == ["static", "auto", "dynamic"]
     flags = [run.flags for run in comparison.runs]
-    assert [f[-2:] for f in flags] == [["--balance", "static"], ["--balance", "cost"], ["--balance", "dynamic"]]
+    assert [f[-2:] for f in flags] == [["--balance", "static"], ["--balance", "auto"], ["--balance", "dynamic"]]
     assert flags[0][:-2] == flags[1][:-2] == flags[2][:-2]
     assert "--rank-speed" in flags[0] and flags[0][flags[0].index("--rank-speed") + 1] == "1:0.5"
 
@@ -68,15 +68,16 @@ def test_ratio_rows_are_each_run_over_the_baseline_then_each_step_over_the_one_b
     rows = demo.comparison_rows([slow], results)
     assert [r["role"] for r in rows] == ["baseline", "run", "run", "ratio", "ratio", "ratio"]
     ratios = {r["run"]: r for r in rows if r["role"] == "ratio"}
-    assert list(ratios) == ["cost / static", "dynamic / static", "dynamic / cost"]
-    assert ratios["cost / static"]["throughput_tokens_per_s"] == pytest.approx(2.0)
+    assert list(ratios) == ["auto / static", "dynamic / static", "dynamic / auto"]
+    assert ratios["auto / static"]["throughput_tokens_per_s"] == pytest.approx(2.0)
     assert ratios["dynamic / static"]["throughput_tokens_per_s"] == pytest.approx(3.0)
-    assert ratios["dynamic / cost"]["throughput_tokens_per_s"] == pytest.approx(1.5)
-    assert ratios["cost / static"]["idle_fraction"] is None  # nothing to compare with: no ratio
-    assert ratios["dynamic / cost"]["idle_fraction"] == pytest.approx(0.5)
+    assert ratios["dynamic / auto"]["throughput_tokens_per_s"] == pytest.approx(1.5)
+    assert ratios["auto / static"]["idle_fraction"] is None  # nothing to compare with: no ratio
+    assert ratios["dynamic / auto"]["idle_fraction"] == pytest.approx(0.5)
     # the two steps multiply to the whole gain, and the credit line says so
     line = demo.credit_line(rows)
-    assert "length bucketing (cost) 2.00x" in line and "a further 1.50x" in line and "3.00x in all" in line
+    assert "no settings (auto: DDP's samples split by speed and length) 2.00x" in line
+    assert "a further 1.50x" in line and "3.00x in all" in line
 
 
 @pytest.mark.timeout(30)

@@ -426,7 +426,7 @@ class DynamicPartitioner:
             return None
         moved_at, before = self._trial
         since = self._observed - moved_at
-        if since < self.confirm_steps and every.shape[1] >= since:
+        if since < self.confirm_steps:
             return self._record(step, "trial", None)
         self._trial = None
         if every.shape[1] <= self.confirm_steps:  # a change of speed dropped the steps before the move

@@ -41,6 +41,7 @@ from poise.checkpoint.layout import (
     list_checkpoints,
     new_token,
     read_manifest,
+    sealed,
     verify,
 )
 from poise.files import write_atomic, write_json_atomic
@@ -86,7 +87,7 @@ def finalize(root: Path, partial: Path, step: int, manifest: dict[str, Any]) -> 
     steps, so that a crash at any point leaves one of the two in place or recoverable
     (:func:`recover`): rename the old folder aside, rename the new one into place, delete the old.
     """
-    write_json_atomic(partial / MANIFEST, {"format": FORMAT_VERSION, **manifest}, make_parents=False)
+    write_json_atomic(partial / MANIFEST, sealed({"format": FORMAT_VERSION, **manifest}), make_parents=False)
     fsync_dir(partial)
     final = root / checkpoint_name(step)
     old = None

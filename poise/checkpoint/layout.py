@@ -72,6 +72,26 @@ MAX_WORLD_SIZE = 1 << 20
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
+# The manifest's own checksum: sha256 of its canonical JSON without this key (:func:`sealed`).
+# It tells a manifest damaged after it was written (a flipped setting would otherwise read as
+# another run's config, stopping the job instead of falling back) from the one the save wrote;
+# manifests written before it have none and are read as before.
+SEAL = "manifest_sha256"
+
+
+def seal_of(manifest: dict[str, Any]) -> str:
+    """The checksum :data:`SEAL` holds for ``manifest`` (whatever it holds under that key now)."""
+    body = {k: v for k, v in manifest.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` as JSON gives it back (tuples as lists, keys as strings) with its checksum
+    under :data:`SEAL`: what a reader parses is what was sealed."""
+    plain = json.loads(json.dumps(manifest))
+    return {**plain, SEAL: seal_of(plain)}
+
+
 class CorruptCheckpoint(ValueError):
     """A checkpoint whose files are missing, truncated or do not match their checksums."""
 
@@ -182,6 +202,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     problem = manifest_problem(path.name, manifest)
     if problem:
         raise CorruptCheckpoint(f"{path.name}: {MANIFEST} is malformed: {problem}")
+    if SEAL in manifest and manifest[SEAL] != seal_of(manifest):
+        raise CorruptCheckpoint(f"{path.name}: {MANIFEST} does not match its own checksum (changed after it was "
+                                "written)")
     return manifest
 
 

@@ -121,7 +121,7 @@ def test_a_world_size_past_the_files_listed_is_refused_at_once(tmp_path, world):
     _save(root, [1])
     manifest = json.loads((root / "step-00000001" / layout.MANIFEST).read_text())
     manifest["world_size"] = world
-    (root / "step-00000001" / layout.MANIFEST).write_text(json.dumps(manifest))
+    (root / "step-00000001" / layout.MANIFEST).write_text(json.dumps(layout.sealed(manifest)))
     outcome = run_bounded(run_verify, argparse.Namespace(dir=str(root)), memory_bytes=256 << 20, timeout_s=20)
     assert outcome.kind == "ok" and outcome.value == 1, outcome.describe()
     assert "world_size" in outcome.err and outcome.err.count("\n") == 1, outcome.err
@@ -154,3 +154,20 @@ def test_the_command_removes_unfinished_saves_once_its_workers_are_gone(tmp_path
     (root / f"{layout.PARTIAL_PREFIX}step-00000002-0123456789abcdef" / "rank-00000.pt").write_bytes(b"x" * 100)
     remove_unfinished_saves(config)
     assert not [p for p in root.iterdir() if p.name.startswith(layout.PARTIAL_PREFIX)]
+
+
+def test_a_manifest_changed_after_it_was_written_does_not_verify_and_one_without_a_checksum_still_does(tmp_path):
+    """Issue 57, item 16: the manifest was covered by no checksum; a changed setting in it read
+    as another run's config (the job stopped) instead of a damaged checkpoint (fall back)."""
+    root = tmp_path / "checkpoints"
+    _save(root, [1, 2])
+    path = root / "step-00000002" / layout.MANIFEST
+    manifest = json.loads(path.read_text())
+    assert manifest[layout.SEAL] == layout.seal_of(manifest)
+    key = next(iter(manifest["config"]))
+    path.write_text(json.dumps({**manifest, "config": {**manifest["config"], key: "flipped"}}))
+    with pytest.raises(layout.CorruptCheckpoint, match=r"manifest\.json does not match its own checksum"):
+        layout.read_manifest(path.parent)
+    assert layout.newest_good(root)[0] == "step-00000001"
+    path.write_text(json.dumps({k: v for k, v in manifest.items() if k != layout.SEAL}))  # an older poise's
+    contents.verify_loadable(root, "step-00000002")

@@ -25,7 +25,10 @@ Scenarios (code-lm, d_model 128, 2 layers, 16 sequences per rank per step):
 - ``S1`` nothing to fix: equal ranks, near-equal lengths (samples cut at 64 bytes);
 - ``S2`` rank 1 at half speed (slowed by sleeping, which holds on a loaded machine too);
 - ``S3`` variable lengths, heavy padding (samples up to 512 bytes: DDP pads about 0.8 per real token);
+- ``S6`` random stalls: every rank's compute stretched each step by 1 + X, X exponential with
+  mean 0.2 (20 % on average, a heavy tail; sleeps, so it holds on a loaded machine too);
 - ``S7`` rank 1 at half speed from a third of the run to two thirds, then recovered;
+- ``S9`` rank 1 at half speed with variable lengths (the two together: the demo's case);
 - ``S4``, ``S5`` 2 nodes over 1 Gbit/s, 100 Mbit/s links (root, ``ip`` and ``tc``; not by default);
 - ``S8`` FSDP2 with rank 1 at half speed (not by default).
 
@@ -86,6 +89,11 @@ SCENARIOS: dict[str, Scenario] = {s.key: s for s in (
     Scenario("S7", "rank 1 at half speed from 1/3 to 2/3 of the run",
              lambda n: ("--task.max_seq_len", "64", "--rank-speed", f"1:0.5@{n // 3}-{2 * n // 3}", *SLEEP),
              BALANCING, lambda n: (n // 3, 2 * n // 3)),
+    Scenario("S6", "random stalls, 20 % mean, every rank",
+             lambda n: ("--task.max_seq_len", "64", "--emulate.speed_noise", "0.2"),
+             {"deadline": ("--straggler", "deadline"), "dynamic": ("--balance", "dynamic")}),
+    Scenario("S9", "rank 1 at half speed, variable lengths",
+             lambda n: ("--task.max_seq_len", "512", "--rank-speed", "1:0.5", *SLEEP), BALANCING, lambda n: (0,)),
     Scenario("S4", "2 nodes over 1 Gbit/s", lambda n: ("--task.max_seq_len", "64", "--cluster", "2:1", "--link",
                                                        "1gbit"), CODECS),
     Scenario("S5", "2 nodes over 100 Mbit/s", lambda n: ("--task.max_seq_len", "64", "--cluster", "2:1", "--link",
@@ -94,12 +102,13 @@ SCENARIOS: dict[str, Scenario] = {s.key: s for s in (
              lambda n: ("--task.max_seq_len", "64", "--parallel", "fsdp", "--rank-speed", "1:0.5", *SLEEP),
              {"dynamic": ("--balance", "dynamic")}, lambda n: (0,)),
 )}
-DEFAULT_SCENARIOS = ("S1", "S2", "S3", "S7")
+DEFAULT_SCENARIOS = ("S1", "S2", "S3", "S7", "S9")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
-                        help=f"scenarios, comma-separated: {', '.join(SCENARIOS)} (S4, S5: root, ip and tc)")
+                        help=f"scenarios, comma-separated: {', '.join(SCENARIOS)} (S4, S5: root, ip and tc; "
+                             f"default {','.join(DEFAULT_SCENARIOS)})")
     parser.add_argument("--seeds", default="0,1,2", help="seeds, comma-separated: medians and ranges over them")
     parser.add_argument("--steps", type=int, default=150, help="steps of the reference run (ddp)")
     parser.add_argument("--extra-steps", type=float, default=1.0,

@@ -151,7 +151,7 @@ CHECKED: list[tuple[str, str]] = [
                                                "tests/unit/test_bench_parallel.py checks its arguments and rows"),
     (r"^(sudo \S*poise|poise) bench plan", "45 jobs on the emulated cluster, about 21 minutes; "
                                            "tests/cluster/test_bench_plan.py runs it at CI size"),
-    (r"^poise bench auto", "4 scenarios x 4 runs x 3 seeds of 150 steps, about an hour; "
+    (r"^poise bench auto", "5 scenarios x 4 runs x 3 seeds of 150 steps, about an hour; "
                            "tests/unit/test_bench_auto.py checks its arguments, recovery and table"),
 ]
 # commands that need root, ip and tc: run where those are, checked elsewhere

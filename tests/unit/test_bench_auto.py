@@ -27,7 +27,7 @@ def test_the_defaults_are_five_scenarios_over_three_seeds():
 
 
 @pytest.mark.parametrize(("flag", "value", "match"), [
-    ("scenarios", "S1,S9", "distinct scenarios"), ("scenarios", "S1,S1", "distinct scenarios"),
+    ("scenarios", "S1,S99", "distinct scenarios"), ("scenarios", "S1,S1", "distinct scenarios"),
     ("seeds", "0,x", "--seeds"), ("seeds", "-1", "--seeds"), ("seeds", "", "--seeds"),
     ("extra_steps", float("inf"), "--extra-steps"), ("steps", 0, "--steps"),
 ])

@@ -7,6 +7,12 @@ results in rank order. A child's exception reaches the test as
 ``torch.multiprocessing.ProcessRaisedException`` carrying the child's traceback; a world
 still running at the deadline is killed and the test fails naming the ranks still alive.
 ``fn`` must be a module-level function (it is pickled by name).
+
+The ranks start from a fork server that imported torch and poise once for the whole test session
+(``forkserver`` with those modules preloaded): each world is still a set of new processes, with
+nothing left over from an earlier test, but none of them imports torch again (seconds per rank
+on a loaded 2-core machine, for each of the tier's ~80 worlds). A rank takes the parent's
+environment as it is at the call (the fork server's is the one of its own start).
 """
 
 from __future__ import annotations
@@ -21,11 +27,27 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# What the fork server imports before it forks a rank: what every world needs and is slow to import.
+PRELOAD = ["torch", "torch.distributed", "numpy", "poise", "tests.harness"]
+_CONTEXT: Any = None
+
+
+def _context() -> Any:
+    """The forkserver context, its preload set before the server starts (at the first world)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CONTEXT = ctx
+    return _CONTEXT
+
 
 def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float,
-           results: Any, kwargs: dict[str, Any]) -> None:
+           results: Any, kwargs: dict[str, Any], environ: dict[str, str]) -> None:
     import torch
 
+    os.environ.clear()  # the parent's environment at the call, as a spawned rank would have it
+    os.environ.update(environ)
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
@@ -50,10 +72,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 60.0, 
     """Run ``fn`` on ``world_size`` gloo ranks; return their results in rank order."""
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.SimpleQueue()
-    procs = mp.spawn(_child, args=(fn, world_size, store.port, timeout_s, results, kwargs),
-                     nprocs=world_size, join=False)
+    procs = mp.start_processes(_child, args=(fn, world_size, store.port, timeout_s, results, kwargs,
+                                             dict(os.environ)),
+                               nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     out: dict[int, Any] = {}
 

@@ -281,7 +281,7 @@ def _misuse(rank: int, world_size: int) -> dict:
 
 def test_misuse_gets_one_line_naming_what_is_expected():
     for rank, errors in enumerate(run_ranks(_misuse, world_size=2, timeout_s=90)):
-        assert errors["keyword"].startswith("unknown session keyword(s) rank: allowed are accum_steps, balance,")
+        assert errors["keyword"].startswith("session keyword(s) rank (now nothing: the rank is the process group's)")
         assert errors["accum"] == "accum_steps=0 must be >= 1"
         assert errors["dataset"] == "the dataset has 96 samples but lengths has 10"
         assert errors["sampler"] == (f"the sampler was made for rank 0 of 1, but this process is rank {rank} of 2")

@@ -17,7 +17,8 @@ from the same numbers:
 2. a change of speed: when the last ``RECENT_STEPS`` steps of some rank differ from the rest of
    the last ``window_steps`` by more than ``CHANGE_Z`` standard errors (and by more than
    10 %), relative to the other ranks in the same steps, the older steps describe a device
-   that is gone, and every rank drops them (:func:`estimate_speeds`);
+   that is gone, and every rank drops them, keeping the steps since the most likely step of
+   the change (:func:`estimate_speeds`, :func:`change_point`);
 3. each rank's speed over the last ``window_steps`` steps (in its own cost units): the
    geometric mean of the per-step speeds (:func:`~poise.balance.costs.measured_speeds`), and
    its relative standard error from the spread of its per-step speed relative to the other
@@ -76,6 +77,9 @@ from poise.balance.sampler import BalancedBatchSampler
 log = logging.getLogger(__name__)
 
 RECENT_STEPS = 5  # the steps compared with the rest of the window to notice a change of speed
+# ... of which at least this many newest ones must differ (two steps that happen to agree read
+# as a change too often on a loaded machine)
+MIN_CHANGE_STEPS = 3
 CHANGE_Z = 4.0  # standard errors between them that count as a change (not noise)
 MIN_CHANGE = 0.10  # ... and the smallest relative change of speed that does
 PRECISER = 0.8  # each rank's own α is used when it cuts the worst per-step speed scatter by 20 %
@@ -156,24 +160,41 @@ def estimate_speeds(cost: np.ndarray, seconds: np.ndarray) -> SpeedEstimate:
     with np.errstate(divide="ignore", invalid="ignore"):
         others = np.where(count > 1, (total - log_speed) / (count - 1), log_speed)
     relative = log_speed - others
-    if steps >= 3 * RECENT_STEPS:
-        old, new = relative[:, :-RECENT_STEPS], relative[:, -RECENT_STEPS:]
-        with warnings.catch_warnings():  # a rank with no speed in a part: NaN there, and no change read
-            warnings.simplefilter("ignore", RuntimeWarning)
-            shift = np.nanmean(new, axis=1) - np.nanmean(old, axis=1)
-            se = np.sqrt(np.nanvar(old, axis=1, ddof=1) / old.shape[1] + np.nanvar(new, axis=1, ddof=1) / RECENT_STEPS)
-        z = np.abs(shift) / np.maximum(se, 1e-12)
-        # a rank that computed nothing in the recent steps (a deadline moved all its work to
-        # the others) has no speed there: the window is not narrowed to them
-        if np.any((z > CHANGE_Z) & (np.abs(np.expm1(shift)) > MIN_CHANGE)) and \
-                np.all(known[:, -RECENT_STEPS:].any(axis=1)):
-            keep = RECENT_STEPS
+    # a rank that computed nothing in the recent steps (a deadline moved all its work to the
+    # others) has no speed there: the window is not narrowed to them
+    if steps >= 3 * RECENT_STEPS and np.all(known[:, -RECENT_STEPS:].any(axis=1)):
+        since, z = change_point(relative)
+        if z > CHANGE_Z:
+            keep = since
     speeds = measured_speeds(cost[:, -keep:], seconds[:, -keep:])
     if keep >= 2:  # the standard error of the mean relative log speed: a relative error
         rel_error = np.nanstd(relative[:, -keep:], axis=1, ddof=1) / np.sqrt(keep)
     else:
         rel_error = np.full(len(speeds), np.inf)
     return SpeedEstimate(speeds, rel_error, keep)
+
+
+def change_point(relative: np.ndarray) -> tuple[int, float]:
+    """Where a change of speed in the last ``RECENT_STEPS`` steps most likely happened: the
+    ``k`` in ``MIN_CHANGE_STEPS``..``RECENT_STEPS`` whose split of ``relative`` (``[ranks, steps]``, each step's
+    log speed relative to the other ranks) into older and newer steps differs most, in
+    standard errors, for a rank whose speed moved by more than ``MIN_CHANGE``; with that
+    number of standard errors (0 when no rank moved that much). Why every ``k``: re-planned
+    after every step, a change is seen three steps after it, and the last
+    ``RECENT_STEPS`` steps then mix steps from before it into the new speeds (seen later,
+    and with a window that kept those steps, the split took as many steps again to settle).
+    Pure."""
+    best_k, best_z = RECENT_STEPS, 0.0
+    with warnings.catch_warnings():  # a rank with no speed in a part: NaN there, never the best
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for k in range(MIN_CHANGE_STEPS, RECENT_STEPS + 1):
+            old, new = relative[:, :-k], relative[:, -k:]
+            shift = np.nanmean(new, axis=1) - np.nanmean(old, axis=1)
+            se = np.sqrt(np.nanvar(old, axis=1, ddof=1) / old.shape[1] + np.nanvar(new, axis=1, ddof=1) / k)
+            z = np.where(np.abs(np.expm1(shift)) > MIN_CHANGE, np.abs(shift) / np.maximum(se, 1e-12), 0.0)
+            if np.nanmax(z) > best_z:
+                best_k, best_z = k, float(np.nanmax(z))
+    return best_k, best_z
 
 
 def choose_shares(current: np.ndarray, estimate: SpeedEstimate, max_change: float,

@@ -112,6 +112,18 @@ def test_estimate_speeds_drops_the_steps_before_a_change_of_speed():
     assert changed.speeds[1] == pytest.approx(50, rel=0.03)
 
 
+@pytest.mark.parametrize("since", [3, 4])
+def test_a_change_seen_a_few_steps_after_it_keeps_only_the_steps_since(since):
+    """Re-planned after every step, a change of speed is seen 3 steps after it: only those
+    steps describe the rank now (the ones before it would pull its speed back)."""
+    rng = np.random.default_rng(1)
+    cost = np.full((2, 20), 100.0)
+    seconds = 1.0 + 0.02 * rng.standard_normal((2, 20))
+    seconds[1, -since:] *= 2.0
+    changed = estimate_speeds(cost, seconds)
+    assert changed.keep_steps == since and changed.speeds[1] == pytest.approx(50, rel=0.03)
+
+
 def test_a_rank_that_computed_nothing_in_the_recent_steps_keeps_the_whole_window():
     """A deadline moved all of slow rank 1's work to rank 0 in the last steps: rank 0's speed
     relative to the others jumps there, but rank 1 has no speed in them; narrowing the window

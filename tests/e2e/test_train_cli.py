@@ -79,14 +79,19 @@ def test_plain_torchrun_runs_the_same_worker(digits_run, tmp_path):
 
 
 def test_code_lm_short_run(tmp_path, cache_dir):
+    """The default balance (auto, said out loud: run_poise pins static otherwise) with a token
+    budget: the run says what poise decided and on what figures."""
     proc = run_poise(
         "train", "--task", "code-lm", "--nproc", "2", "--steps", "8", "--max-seq-len", "128",
         "--batch-tokens", "1024", "--task.eval_max_samples", "64", "--task.cache_dir", str(cache_dir),
-        "--diagnostics.gather_every_steps", "3", "--out", str(tmp_path), *QUIET,
+        "--diagnostics.gather_every_steps", "3", "--balance", "auto", "--out", str(tmp_path), *QUIET,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _report(tmp_path)
-    assert report["steps"] == 8
+    assert report["steps"] == 8 and report["balance_strategy"] == "auto"
+    balance = next(d for d in report["decisions"] if d["knob"] == "balance")
+    assert balance["by"] == "poise" and "DDP's steps" in balance["choice"]
+    assert report["replan_s"] >= 0 and len(report["replans"]) >= 5  # re-planned after every step from step 2
     assert report["loss_unit"] == "bits/byte"
     assert 0 < report["eval_loss"] < 8.5  # < 8 bits/byte + noise: better than uniform over 256
     # the real tokens of both ranks (the loss curve's last point) over the job's time in steps

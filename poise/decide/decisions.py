@@ -85,8 +85,8 @@ def _balance(report: Mapping[str, Any]) -> list[Decision]:
         "balance", f"{strategy}: {SPLITS[strategy]}", 0,
         "no balance setting: poise trains DDP's samples and moves work only by measured speed; length bucketing "
         "would change the steps' samples, so it is left to balance='cost' or 'dynamic'" if strategy == "auto"
-        else f"balance={strategy!r} was set", "balance='static' (or --balance static)" if strategy == "auto"
-        else f"balance={strategy!r}", by="poise" if strategy == "auto" else "you")
+        else f"balance={strategy!r} was set", "balance='auto' (balance='static' for plain DDP's equal split)"
+        if strategy == "auto" else f"balance={strategy!r}", by="poise" if strategy == "auto" else "you")
     found = [first]
     for replan in report.get("replans") or []:
         if not isinstance(replan, Mapping) or replan.get("decision") not in (*MOVES, "revert"):
@@ -157,7 +157,7 @@ def _straggler(report: Mapping[str, Any]) -> list[Decision]:
     on = any(isinstance(r, Mapping) for r in per_rank)
     return [Decision("straggler", "deadline steps" if on else "off", 0,
                      "straggler mode was set" if on else "no deadline steps: every rank finishes its share",
-                     "straggler='deadline'" if not on else "straggler='off'", by="you" if on else "poise")]
+                     "straggler='deadline'" if on else "straggler='off'", by="you" if on else "poise")]
 
 
 __all__ = ["MOVES", "SPLITS", "Decision", "decisions", "describe"]

@@ -19,7 +19,8 @@ def test_auto_names_the_split_and_each_share_move_with_its_figures_and_pin():
     assert knobs == [("balance", 0), ("comm.codec", 0), ("sync", 0), ("straggler", 0), ("balance.shares", 3),
                      ("balance.shares", 9)]  # wait and hold move nothing: not decisions
     split, move = found[0], found[4]
-    assert split.by == "poise" and "DDP's steps" in split.choice and "static" in split.pin
+    assert split.by == "poise" and "DDP's steps" in split.choice and split.pin.startswith("balance='auto'")
+    assert found[3].choice == "off" and found[3].pin == "straggler='off'"  # a pin keeps the choice
     assert move.choice == "shares 0.667 0.333" and "4,000 2,000 cost units/s" in move.why and "jump" in move.why
     assert move.figures["shares"] == [0.667, 0.333] and "balance.replay" in move.pin
     assert all(d.by == "poise" for d in found)  # nothing was set: every choice is poise's

@@ -50,12 +50,13 @@ def test_the_poise_script_writes_its_report_with_a_slow_rank_rebalanced(tmp_path
     report = json.loads((tmp_path / "report.json").read_text())
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    assert report["steps"] == 30 and report["balance_strategy"] == "dynamic"
+    assert report["steps"] == 30 and report["balance_strategy"] == "auto"  # no settings
     for key in ("balance", "idle_fraction", "comm_fraction"):
         assert 0.0 <= report[key] <= 1.0
     assert [r["rank"] for r in report["per_rank"]] == [0, 1]
     assert report["emulated_slowdown"][1]["speed"] == 0.5
     first, *rest = report["replans"]
-    assert first["step"] == 5  # a look inside the 10-step cold start: it moves only on a confident estimate
-    assert first["decision"] == "jump" or (first["decision"] == "wait" and first["shares"] == [0.5, 0.5])
+    assert first["step"] == 2  # auto re-plans after every step; the first one has one measured step:
+    assert first["decision"] == "wait" and first["shares"] == [0.5, 0.5]  # not confident, nothing moves
+    assert report["decisions"][0]["knob"] == "balance" and report["decisions"][0]["by"] == "poise"
     assert rest and rest[0]["step"] == 10  # then the cold start's own re-plan

@@ -92,3 +92,31 @@ import time; time.sleep(120)
     own_out_dir(out, cfg.DistConfig())  # the worker is gone: the directory is free
     directory.unlock(out, JOB_LOCK)
     assert not (out / WORKERS_LOCK).is_symlink()
+
+
+def test_a_one_machine_jobs_store_keys_live_under_its_secret(monkeypatch):
+    """Issue 57, item 11: any local process could write the job's keys in rank 0's store (it
+    replaced checkpoint/token); under a poise launcher they are under a secret the workers
+    inherit, which no other user can read."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from poise.runtime.dist import job_store
+    from poise.runtime.launcher import JOB_KEY_ENV
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv(JOB_KEY_ENV, "5ec7e7" * 4)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    store = job_store(0, cfg.DistConfig())
+    store.set("checkpoint/token", "mine")
+    other = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    assert not dist.PrefixStore("poise/attempt-0/", other).check(["checkpoint/token"])  # its name before
+    assert dist.PrefixStore(f"poise/{'5ec7e7' * 4}/attempt-0/", other).get("checkpoint/token") == b"mine"

@@ -14,7 +14,8 @@ side by side on the emulated cluster of this machine (2 workers unless said):
 Every run other than ``ddp`` keeps DDP's learning-rate schedule (``--train.schedule_steps``),
 may take ``--extra-steps`` more steps and stops at the target. Per run: time to the target
 (training seconds, evaluations left out), steps and real tokens to it, tokens/s over the run,
-whole-run balance, padding per real token, and how many steps after each emulated change of
+whole-run balance, padding per real token, what deciding the split cost (rank 0's seconds in
+re-plans over the run's training seconds), and how many steps after each emulated change of
 speed the per-step balance was back at ``RECOVERED_BALANCE`` (median of 3 steps). Per
 scenario: ``auto``'s speed-up against ``ddp`` and its ratio to the best of the grid (the
 targets: at least 0.98x DDP where there is nothing to fix, at least 1.0x DDP and within 5 %
@@ -173,8 +174,9 @@ def measure(report: dict[str, Any], run_dir: Path, target: float | None, changes
         "final_eval_loss": report.get("eval_loss"),
         "recovered_after_steps": [recovery_steps(balances, at) for at in changes if at < len(balances)],
         "decisions": len(report.get("decisions") or []),
-        "replan_s": report.get("replan_s"),
-        "train_s": float(curve[-1]["train_s"]) if curve else None,
+        # what deciding the split cost: rank 0's seconds in re-plans over the run's training seconds
+        "replan_share": (float(report["replan_s"]) / float(curve[-1]["train_s"])
+                         if report.get("replan_s") is not None and curve and curve[-1]["train_s"] > 0 else None),
     }
 
 
@@ -190,7 +192,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"scenario": scenario, "run": run, "seeds": len(seeds),
                                    "command": seeds[0]["command"]}
             for key in ("time_to_target_s", "tokens_to_target", "tokens_per_s", "balance", "padding_waste",
-                        "final_eval_loss"):
+                        "final_eval_loss", "replan_share"):
                 values = [r[key] for r in seeds if r.get(key) is not None]
                 row[key] = statistics.median(values) if values else None
                 row[f"{key}_range"] = [min(values), max(values)] if values else None
@@ -226,6 +228,7 @@ COLUMNS = [
     ("tokens_per_s", "tokens/s", lambda v: _fmt(v, ",.0f")),
     ("balance", "balance", lambda v: _fmt(v, ".3f")),
     ("padding_waste", "padding/token", lambda v: _fmt(v, ".2f")),
+    ("replan_share", "deciding", lambda v: "-" if not v else f"{v:.1%}"),
     ("reached", "seeds at target", str),
 ]
 

@@ -46,7 +46,7 @@ def test_recovery_counts_the_steps_until_three_steps_are_balanced_again():
 def _row(scenario, run, seed, time_s, tokens=1000.0):
     return {"scenario": scenario, "run": run, "seed": seed, "command": f"poise train {run}", "time_to_target_s": time_s,
             "tokens_to_target": tokens, "tokens_per_s": 10.0, "balance": 0.9, "padding_waste": 0.1,
-            "final_eval_loss": 3.0, "recovered_after_steps": [2]}
+            "final_eval_loss": 3.0, "recovered_after_steps": [2], "replan_share": 0.004}
 
 
 def test_the_summary_gives_medians_ranges_and_auto_against_ddp_and_the_best_of_the_grid():
@@ -61,3 +61,4 @@ def test_the_summary_gives_medians_ranges_and_auto_against_ddp_and_the_best_of_t
     assert table["auto"]["best_hand_picked"] == "dynamic" and table["auto"]["vs_best"] == pytest.approx(47.5 / 50)
     assert table["dynamic"]["reached"] == 2 and table["cost"]["reached"] == 0 and "vs_best" not in table["cost"]
     assert table["cost"]["time_to_target_s"] is None and "speedup_vs_ddp" not in table["cost"]
+    assert table["auto"]["replan_share"] == pytest.approx(0.004)

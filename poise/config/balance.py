@@ -35,8 +35,8 @@ class BalanceConfig:
         0.05, "dynamic: relative standard error of every speed below which a re-plan moves straight to its target"
     )
     replay: str = setting(
-        "", "dynamic: a report.json of an earlier run whose re-plans are applied at the same steps instead of "
-        "measured ones: the same batches again for the same seed ('' = measure)"
+        "", "auto, dynamic: a report.json of an earlier run (of the same strategy) whose re-plans are applied at the "
+        "same steps instead of measured ones: the same batches again for the same seed ('' = measure)"
     )
 
     def __post_init__(self) -> None:
@@ -59,6 +59,6 @@ class BalanceConfig:
             raise ValueError(f"balance.max_share_change={self.max_share_change} is outside (0, 1]")
         if not 0.0 <= self.confident_error <= 1.0:
             raise ValueError(f"balance.confident_error={self.confident_error} is outside [0, 1]")
-        if self.replay and self.strategy != "dynamic":
-            raise ValueError(f"balance.replay={self.replay!r} replays a dynamic run's re-plans: it needs "
-                             f"balance.strategy=dynamic, not {self.strategy!r}")
+        if self.replay and self.strategy not in ("auto", "dynamic"):
+            raise ValueError(f"balance.replay={self.replay!r} replays a run's re-plans: it needs "
+                             f"balance.strategy=auto or dynamic (the run's own), not {self.strategy!r}")

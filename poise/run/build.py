@@ -113,8 +113,7 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     freed_memory = memory.keep_freed_memory() if keep else None
     collective_device = device if backend == "nccl" else torch.device("cpu")
     partitioner: DynamicPartitioner | ReplayedPartitioner | None = None
-    if balance.strategy == "dynamic" and balance.replay:
-        assert isinstance(sampler, BalancedBatchSampler)  # plan_sampler refuses others for dynamic
+    if balance.strategy in ("auto", "dynamic") and balance.replay and isinstance(sampler, BalancedBatchSampler):
         partitioner = ReplayedPartitioner(sampler, load_replans(balance.replay, world_size))
     elif balance.strategy == "dynamic" or (balance.strategy == "auto" and isinstance(sampler, BalancedBatchSampler)):
         assert isinstance(sampler, BalancedBatchSampler)  # auto with a sampler of the user's own: no re-plans

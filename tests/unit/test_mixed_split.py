@@ -121,3 +121,27 @@ def test_auto_with_a_cost_budget_draws_random_steps_of_it():
     auto = make_sampler("auto", LENGTHS, rank=0, world_size=2, seed=0, cost_fn=cost, batch_cost=40_000.0)
     seen = sorted(i for j in range(len(auto)) for b in auto.global_batches(j) for i in b.tolist())
     assert seen == list(range(len(LENGTHS)))
+
+
+def test_an_auto_run_is_replayed_with_its_own_re_plans(tmp_path):
+    """The pin a decision names: balance.replay with the run's report.json gives the same
+    shares at the same steps (and so the same split of DDP's steps), without measuring."""
+    import json
+
+    from poise.balance.replay import ReplayedPartitioner, load_replans
+    from poise.config import BalanceConfig
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"replans": [{"step": 2, "shares": [0.5, 0.5], "decision": "wait"},
+                                              {"step": 3, "shares": [0.7, 0.3], "decision": "jump"},
+                                              {"step": 6, "shares": [0.5, 0.5], "decision": "revert"}]}))
+    assert BalanceConfig(strategy="auto", replay=str(report)).replay
+    with pytest.raises(ValueError, match=r"needs balance\.strategy=auto or dynamic"):
+        BalanceConfig(strategy="cost", replay=str(report))
+    sampler = make_sampler("auto", LENGTHS, rank=0, world_size=2, batch_size=8)
+    replay = ReplayedPartitioner(sampler, load_replans(report, 2))
+    shares = []
+    for step in range(1, 8):
+        replay.after_step(step, step)
+        shares.append(round(float(sampler.speeds[0] / sampler.speeds.sum()), 3))
+    assert shares == [0.5, 0.5, 0.7, 0.7, 0.7, 0.5, 0.5]

@@ -303,6 +303,7 @@ class DynamicPartitioner:
         fit_alpha: bool = True,
         device: torch.device | None = None,
         confirm_steps: int = 0,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.sampler = sampler
         self.confirm_steps = confirm_steps  # 0: moves are not checked against their measured steps
@@ -315,6 +316,9 @@ class DynamicPartitioner:
         self._observed = 0  # steps seen by this process (the first is left out)
         self.fit_alpha = fit_alpha and isinstance(sampler.cost_fn, AttentionCost) and sampler.cost_fn.alpha > 0
         self.device = device or torch.device("cpu")
+        # the group the windows are gathered in (None: the default one); an NCCL job passes a gloo
+        # group of the same ranks, so that a re-plan after every step never waits on the GPU stream
+        self.group = group
         self.shares = np.full(sampler.world_size, 1.0 / sampler.world_size)
         self.window_steps = window_steps
         # the steps since the last change of speed (at most HISTORY_STEPS): α is fitted from
@@ -359,7 +363,7 @@ class DynamicPartitioner:
         world = self.sampler.world_size
         if world > 1:
             parts = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(parts, mine)
+            dist.all_gather(parts, mine, group=self.group)
             every = torch.stack(parts).cpu().numpy()  # [ranks, steps, 3]
         else:
             every = mine.cpu().numpy()[None]

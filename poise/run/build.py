@@ -24,6 +24,7 @@ from poise.balance import BalancedBatchSampler
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner, load_replans
 from poise.comm import registry
+from poise.comm.topology import default_group_timeout
 from poise.config import (
     OUTER_CODECS,
     OUTER_MODES,
@@ -117,9 +118,13 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
         partitioner = ReplayedPartitioner(sampler, load_replans(balance.replay, world_size))
     elif balance.strategy == "dynamic" or (balance.strategy == "auto" and isinstance(sampler, BalancedBatchSampler)):
         assert isinstance(sampler, BalancedBatchSampler)  # auto with a sampler of the user's own: no re-plans
+        # the windows are host-side numbers: under NCCL they are gathered over a gloo group of the
+        # same ranks, so a re-plan (after every step, under auto) never synchronizes the GPU stream
+        side = dist.new_group(backend="gloo", timeout=default_group_timeout()) if backend == "nccl" else None
         partitioner = DynamicPartitioner(
             sampler, window_steps=balance.window_steps, max_share_change=balance.max_share_change,
-            confident_error=balance.confident_error, fit_alpha=balance.fit_alpha, device=collective_device,
+            confident_error=balance.confident_error, fit_alpha=balance.fit_alpha,
+            device=torch.device("cpu") if side is not None else collective_device, group=side,
             **replan_schedule(balance),
         )
     emulation = emulation_for(emulate, rank=rank, threads=torch.get_num_threads(), seed=data.seed)

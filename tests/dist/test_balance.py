@@ -5,14 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from poise.balance.costs import AttentionCost
 from poise.balance.rebalance import DynamicPartitioner
-from poise.balance.sampler import BalancedBatchSampler
+from poise.balance.sampler import BalancedBatchSampler, make_sampler
 from poise.balance.weights import loss_weight
 from poise.comm import builder as comm_builder
-from poise.config import CommConfig
+from poise.config import BalanceConfig, CommConfig
+from poise.decide import replan_schedule
 from poise.tasks.code_lm import ByteTransformer, code_lm_loss, collate_bytes
 from tests.harness import run_ranks
 
@@ -58,11 +60,18 @@ def test_unequal_batches_give_the_gradient_of_the_global_batch(codec, rtol, atol
     assert abs(loss_weight([np.array(b) for b in SPLIT], 0, np.array(LENGTHS) - 1) - 1.0) > 0.1
 
 
-def _replan(rank: int, world_size: int, noise: float, cold_start_steps: int = 3, slow_from: int = 0):
+def _replan(rank: int, world_size: int, noise: float, cold_start_steps: int = 3, slow_from: int = 0,
+            auto: bool = False):
     lengths = np.random.default_rng(0).integers(16, 512, size=600)
-    sampler = BalancedBatchSampler(lengths, rank=rank, world_size=world_size, batch_cost=20_000,
-                                   cost_fn=AttentionCost(1e-3))
-    part = DynamicPartitioner(sampler, cold_start_steps=cold_start_steps, window_steps=20, replan_every_steps=4)
+    if auto:  # balance auto: DDP's steps, its cadence (every step, moves confirmed), a side gloo group
+        sampler = make_sampler("auto", lengths, rank=rank, world_size=world_size, batch_size=16,
+                               cost_fn=AttentionCost(1e-3))
+        part = DynamicPartitioner(sampler, window_steps=20, group=dist.new_group(backend="gloo"),
+                                  **replan_schedule(BalanceConfig(cold_start_steps=cold_start_steps)))
+    else:
+        sampler = BalancedBatchSampler(lengths, rank=rank, world_size=world_size, batch_cost=20_000,
+                                       cost_fn=AttentionCost(1e-3))
+        part = DynamicPartitioner(sampler, cold_start_steps=cold_start_steps, window_steps=20, replan_every_steps=4)
     # rank r computes (1 + r)x slower (from step slow_from; 1x before): injected numbers, not sleeps
     rng = np.random.default_rng(rank)
     events, done, epoch = [], 0, 0
@@ -85,7 +94,7 @@ def test_ranks_agree_on_replans_and_a_confident_estimate_moves_straight_to_its_t
     assert events0 == events1 and speeds0 == speeds1  # same numbers on every rank
     steps = [s for s, _, _ in events0]
     assert steps[:3] == [3, 7, 11]  # after the cold start, then every 4 steps
-    step, shares, decision = events0[0]
+    _, shares, decision = events0[0]
     assert decision == "jump" and shares[0] == pytest.approx(2 / 3, abs=0.02)  # rank 0 is twice as fast
     assert all(sh[0] == pytest.approx(2 / 3, abs=0.02) for _, sh, _ in events0[1:])  # and then stays
 
@@ -119,6 +128,21 @@ def test_a_rank_that_slows_mid_run_is_balanced_again_within_20_steps():
     assert before and all(s == pytest.approx(0.5, abs=0.03) for s in before)  # equal speeds: about equal
     after = [sh[0] for step, sh, _ in events if step >= 60]
     assert after and all(s == pytest.approx(2 / 3, abs=0.03) for s in after)  # the older steps were dropped
+
+
+def test_auto_follows_a_change_of_speed_within_5_steps():
+    """balance auto's cadence on injected step times (rank 1 twice as slow from step 40): the
+    ranks agree, every re-plan goes through the side gloo group, the split is at its target
+    within 5 steps of the change, and the move is confirmed by the steps after it."""
+    (events0, speeds0), (events1, speeds1) = run_ranks(_replan, world_size=2, timeout_s=90, noise=0.05,
+                                                       slow_from=40, auto=True)
+    assert events0 == events1 and speeds0 == speeds1
+    before = [sh[0] for step, sh, _ in events0 if 10 <= step <= 40]
+    assert before and all(s == pytest.approx(0.5, abs=0.03) for s in before)
+    settled = next(step for step, sh, _ in events0 if step > 40 and sh[0] == pytest.approx(2 / 3, abs=0.03))
+    assert settled <= 45, events0[38:50]
+    after = [d for step, _, d in events0 if settled < step <= settled + 3]
+    assert "confirm" in after and "revert" not in [d for _, _, d in events0]
 
 
 def _replan_unequal_alpha(rank: int, world_size: int):

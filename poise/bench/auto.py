@@ -233,6 +233,28 @@ COLUMNS = [
 ]
 
 
+def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
+    """The summary as the Markdown table docs/decide.md quotes (medians, with the range over
+    seeds of the time to DDP's loss), so that the page is written from the results file and a
+    test can check that it still says what the file says. Pure."""
+    def ratio(value: Any) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    lines = ["| scenario | run | time to DDP's loss, s (range) | vs DDP | vs best hand-picked | tokens to it vs DDP "
+             "| tokens/s | balance | padding per token | seeds at DDP's loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in summary:
+        span = row.get("time_to_target_s_range")
+        time_s = "not reached" if row.get("time_to_target_s") is None else (
+            f"{row['time_to_target_s']:.1f} ({span[0]:.1f}-{span[1]:.1f})")
+        best = f"{ratio(row.get('vs_best'))} ({row['best_hand_picked']})" if row.get("vs_best") is not None else "-"
+        lines.append(" | ".join([
+            f"| {row['scenario']}", row["run"], time_s, ratio(row.get("speedup_vs_ddp")), best,
+            ratio(row.get("tokens_vs_ddp")), _fmt(row.get("tokens_per_s"), ",.0f"), _fmt(row.get("balance"), ".3f"),
+            _fmt(row.get("padding_waste"), ".2f"), f"{row['reached']}/{row['seeds']} |"]))
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     scenarios, seeds = parse(args)
     model = list(args.train_args) or list(MODEL)

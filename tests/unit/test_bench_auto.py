@@ -62,3 +62,11 @@ def test_the_summary_gives_medians_ranges_and_auto_against_ddp_and_the_best_of_t
     assert table["dynamic"]["reached"] == 2 and table["cost"]["reached"] == 0 and "vs_best" not in table["cost"]
     assert table["cost"]["time_to_target_s"] is None and "speedup_vs_ddp" not in table["cost"]
     assert table["auto"]["replan_share"] == pytest.approx(0.004)
+
+
+def test_the_docs_table_is_written_from_the_summary():
+    rows = [_row("S2", "ddp", 0, 100.0), _row("S2", "auto", 0, 50.0), _row("S2", "cost", 0, None)]
+    lines = auto.markdown_table(auto.summarize(rows)).splitlines()
+    assert lines[0].startswith("| scenario | run | time to DDP's loss")
+    assert lines[3] == ("| S2 | auto | 50.0 (50.0-50.0) | 2.00x | - | 1.00x | 10 | 0.900 | 0.10 | 1/1 |")
+    assert lines[4].startswith("| S2 | cost | not reached | - |")

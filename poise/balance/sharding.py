@@ -268,6 +268,23 @@ class StepSplit:
 SplitFn = Callable[[np.ndarray, np.ndarray, "CostFn | Sequence[CostFn]", np.ndarray], StepSplit]
 
 
+def _longest_first(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence[CostFn], speeds: np.ndarray
+                   ) -> tuple[np.ndarray, list[CostFn], np.ndarray, np.ndarray]:
+    """What every split starts from: the speeds (checked), one cost function per rank, the
+    lengths as an array, and the order of the step's samples, longest first (ties by index,
+    for determinism).
+
+    Raises:
+        ValueError: if a speed is not positive and finite.
+    """
+    speeds = np.asarray(speeds, dtype=np.float64)
+    if not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+        raise ValueError(f"speeds must be positive and finite, got {speeds.tolist()}")
+    fns = list(cost_fn) if isinstance(cost_fn, (list, tuple)) else [cost_fn] * len(speeds)
+    lengths = np.asarray(lengths)
+    return speeds, fns, lengths, np.lexsort((step, -lengths[step]))
+
+
 def split_step(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence[CostFn],
                speeds: np.ndarray) -> StepSplit:
     """Divide one step's samples among ranks by LPT on padded cost / speed (see module doc).
@@ -282,15 +299,9 @@ def split_step(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence
     Raises:
         ValueError: if a speed is not positive and finite.
     """
-    speeds = np.asarray(speeds, dtype=np.float64)
-    if not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
-        raise ValueError(f"speeds must be positive and finite, got {speeds.tolist()}")
+    speeds, fns, lengths, order = _longest_first(step, lengths, cost_fn, speeds)
     num_ranks = len(speeds)
-    fns = list(cost_fn) if isinstance(cost_fn, (list, tuple)) else [cost_fn] * num_ranks
-    lengths = np.asarray(lengths)
-    step_lengths = lengths[step]
-    order = np.lexsort((step, -step_lengths))  # longest first; ties by index, for determinism
-    sorted_lengths = step_lengths[order]
+    sorted_lengths = lengths[step][order]
     # every sample's cost in every rank's cost units: [ranks, samples]
     item_cost = np.stack([np.asarray(f(sorted_lengths), dtype=np.float64) for f in fns])
     # Plain Python floats: this loop runs for every candidate boundary of every step taken,
@@ -339,14 +350,9 @@ def split_sorted(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequen
     Raises:
         ValueError: if a speed is not positive and finite.
     """
-    speeds = np.asarray(speeds, dtype=np.float64)
-    if not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
-        raise ValueError(f"speeds must be positive and finite, got {speeds.tolist()}")
-    num_ranks = len(speeds)
-    fns = list(cost_fn) if isinstance(cost_fn, (list, tuple)) else [cost_fn] * num_ranks
-    lengths = np.asarray(lengths)
     step = np.asarray(step, dtype=np.int64)
-    order = np.lexsort((step, -lengths[step]))  # longest first; ties by index, for determinism
+    speeds, fns, lengths, order = _longest_first(step, lengths, cost_fn, speeds)
+    num_ranks = len(speeds)
     ranked = step[order]
     n = len(ranked)
     # seconds per sample of a range that starts at each position, per rank: [ranks, n]

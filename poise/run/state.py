@@ -38,7 +38,7 @@ def session_state(*, rank: int, world_size: int, sampler: Sampler, recorder: Rec
         if open_step.backward_done:
             steps_done += 1
             if not isinstance(open_step, DeadlineStep):  # (a deadline step's reduction is in its backward)
-                step_end = open_step.sync_end()
+                step_end = {**open_step.sync_end(), "rank": rank}  # its tokens are this rank's
         else:
             claimed = open_step.position
     planned = partitioner.state_dict() if partitioner else None
@@ -91,7 +91,12 @@ def load_session_state(state: dict[str, Any], *, rank: int, world_size: int, sam
     recorder.steps_done = int(state["steps_done"]) if same_world else 0
     step_end = state.get("step_end")  # (none in an older poise's state)
     if step_end is not None and same_world:  # on every rank alike: the end may be a collective
-        recorder.due_end = {"index": int(step_end["index"]), "tokens": float(step_end["tokens"]) if own else 0.0,
+        mine = own and int(step_end.get("rank", rank)) == rank  # (a checkpoint may share rank 0's)
+        if not mine and not sync.replicas_agree:
+            log.warning("session state saved inside step %s by rank %s, loaded on rank %d: the outer step due there "
+                        "counts this rank's tokens of that step as 0 (save each rank's own state)",
+                        step_end["index"], step_end.get("rank", state["rank"]), rank)
+        recorder.due_end = {"index": int(step_end["index"]), "tokens": float(step_end["tokens"]) if mine else 0.0,
                             "optimizer_step": bool(step_end["optimizer_step"])}
 
 

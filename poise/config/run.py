@@ -53,6 +53,7 @@ class RunConfig:
             raise ValueError(f"sync.mode={self.sync.mode!r} meets the other ranks every sync.inner_steps steps, not "
                              f"at every step's deadline: it needs straggler.mode=off (not {self.straggler.mode!r}), no "
                              "emulate.delay and no comm.local_first")
+        self.sync.check_codec(self.comm.codec)
         if self.parallel.sharded:
             self._check_sharded()
         if self.comm.codec == "auto" and (self.train.accum_steps != 1 or self.straggler.enabled):

@@ -26,8 +26,6 @@ from poise.balance.replay import ReplayedPartitioner, load_replans
 from poise.comm import registry
 from poise.comm.topology import default_group_timeout
 from poise.config import (
-    OUTER_CODECS,
-    OUTER_MODES,
     BalanceConfig,
     CommConfig,
     DiagnosticsConfig,
@@ -95,13 +93,7 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
         raise ValueError(f"sync.mode={sync_config.mode!r} meets the other ranks every few steps, not at every step's "
                          f"deadline: it needs straggler='off' (not {straggler.mode!r}), no emulated delays and no "
                          "comm.local_first")
-    if sync_config.mode in OUTER_MODES and comm.codec != "none" and not sync_config.warmup_steps \
-            and sync_config.inner_scope == "rank":
-        raise ValueError(f"comm.codec={comm.codec!r} compresses the per-step gradient all-reduce, which sync.mode="
-                         f"{sync_config.mode!r} never runs (inner steps send nothing; the outer step sends the "
-                         "parameter change): compress that with SyncConfig(codec=...) (allowed: "
-                         f"{', '.join(OUTER_CODECS)}), or leave comm.codec='none' (it applies only to "
-                         "sync.warmup_steps and inner_scope='node')")
+    sync_config.check_codec(comm.codec)
     if deadline and data.accum_steps != 1:
         raise ValueError(f"accum_steps={data.accum_steps} with straggler.mode={straggler.mode!r} (or delays): "
                          "a deadline step accumulates its own micro-batches (straggler.micro_batches); "

@@ -1,6 +1,7 @@
 """Names that went before 0.2.0 (issue 57, item 8): a former session keyword, a setting that
 moved to ``EmulateConfig`` and a module path that moved are each answered with one line
-naming the new one, not Python's bare TypeError or ModuleNotFoundError."""
+naming the new one, not Python's bare TypeError or ModuleNotFoundError; and the config's
+refusal of a per-step codec an outer mode never uses (item 3)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,14 @@ def test_the_changelog_lists_the_renames():
     assert "## 0.2.0 (unreleased)" in text
     for name in ("rank_speed", "slowdown_method", "delay", "poise.session"):
         assert name in text
+
+
+def test_a_per_step_codec_under_an_outer_mode_is_refused_by_the_config():
+    """``poise train --sync diloco --codec fp16``: refused when the config is resolved, before a
+    worker starts (issue 57, item 3; the session refuses it too: tests/dist/test_session_misuse.py)."""
+    from poise.config import from_dict
+
+    with pytest.raises(ValueError, match=r"^comm.codec='fp16' compresses the per-step gradient all-reduce, which "
+                                         r"sync.mode='diloco' never runs"):
+        from_dict({"sync": {"mode": "diloco"}, "comm": {"codec": "fp16"}})
+    from_dict({"sync": {"mode": "diloco", "warmup_steps": 5}, "comm": {"codec": "fp16"}})  # the warm-up uses it

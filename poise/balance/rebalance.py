@@ -341,7 +341,9 @@ class DynamicPartitioner:
         :meth:`replan`)."""
         since = steps_done - self.cold_start_steps
         every = self.replan_every_steps
-        return len(self.window) > 0 and (steps_done % every == 0 if since < 0 else since % every == 0)
+        # by step counts only, the same on every rank (a rank's window may be empty: a resume
+        # from another rank's state; the gather then uses what every rank has)
+        return steps_done % every == 0 if since < 0 else since % every == 0
 
     def after_step(self, recorded: int, steps_done: int, last_step: int | None = None) -> None:
         """A step ended: ``recorded`` of the ``steps_done`` steps have their figures observed
@@ -359,14 +361,27 @@ class DynamicPartitioner:
             self.spent_s += time.perf_counter() - started
 
     def _replan(self, step: int) -> Replan:
-        mine = torch.tensor(list(self.window), dtype=torch.float64, device=self.device)
+        # a fixed-size block on every rank: its step count, then its window (windows may differ in
+        # length after a resume from another rank's state, where only the shares are shared)
+        capacity = self.window.maxlen or HISTORY_STEPS
+        block = np.zeros((capacity + 1, 3))
+        block[0, 0] = len(self.window)
+        if self.window:
+            block[1:1 + len(self.window)] = np.asarray(self.window, dtype=np.float64)
+        mine = torch.tensor(block, dtype=torch.float64, device=self.device)
         world = self.sampler.world_size
         if world > 1:
             parts = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(parts, mine, group=self.group)
-            every = torch.stack(parts).cpu().numpy()  # [ranks, steps, 3]
+            blocks = torch.stack(parts).cpu().numpy()  # [ranks, 1 + capacity, 3]
         else:
-            every = mine.cpu().numpy()[None]
+            blocks = mine.cpu().numpy()[None]
+        counts = blocks[:, 0, 0].astype(np.int64)
+        common = int(counts.min())  # the newest steps every rank has
+        if common == 0:  # nothing measured on some rank yet: nothing to decide (not recorded)
+            return Replan(step, [], self.shares.tolist(), getattr(self.sampler.cost_fn, "alpha", None),
+                          decision="wait")
+        every = np.stack([blocks[r, 1 + counts[r] - common:1 + counts[r]] for r in range(world)])  # [ranks, steps, 3]
         return self.decide(every, step)
 
     def decide(self, every: np.ndarray, step: int) -> Replan:
@@ -491,6 +506,8 @@ class DynamicPartitioner:
                 "quiet_steps": max(0, self._quiet_until - self._observed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; ``window`` is this rank's own (empty when the state is
+        another rank's: the gather then decides from the steps every rank has measured)."""
         self.shares = np.asarray(state["shares"], dtype=np.float64)
         trial = state.get("trial")  # a move being judged, and the quiet after an undone one (older states: none)
         self._trial = None if trial is None else (self._observed - int(trial[0]),

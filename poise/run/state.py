@@ -77,8 +77,11 @@ def load_session_state(state: dict[str, Any], *, rank: int, world_size: int, sam
     same_world = int(state["world_size"]) == world_size
     own = same_world and int(state["rank"]) == rank
     sampler.load_state_dict(state["sampler"])
-    if partitioner is not None and state.get("partitioner") and own and state.get("window") is not None:
-        partitioner.load_state_dict({**state["partitioner"], "window": state["window"]})
+    if partitioner is not None and state.get("partitioner") and same_world:
+        # the shares and the re-plans are every rank's alike (they split the steps); the window
+        # of measurements is the saving rank's own: another rank's starts empty
+        window = state.get("window") if own else None
+        partitioner.load_state_dict({**state["partitioner"], "window": window or []})
     if own:
         sync.load_state_dict(state["comm"])
     else:

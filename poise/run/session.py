@@ -149,7 +149,8 @@ class Session:
         self._env = StepEnv(sync=parts.sync, clock=parts.clock, lengths=self.lengths, world_size=self.world_size,
                             owner=parts.recorder, listeners=list(parts.emulation.listeners),
                             device=parts.collective_device, accum_steps=self.accum_steps,
-                            labels=install_label_count(parts.sync.model),
+                            # given loss_terms stand; else a Hugging Face model's labels= are counted
+                            labels=install_label_count(parts.sync.model) if self.loss_terms is None else None,
                             planned_terms=planned_terms(self.loss_terms, self.lengths))
         self._loop_step: Step | None = None  # the step a session.steps loop holds open
         # a forgotten finish() is said when the session is dropped (the end of a main()) or at exit

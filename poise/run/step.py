@@ -213,9 +213,9 @@ class Step:
         label, e.g. ``(labels[:, 1:] != -100).sum()`` for a Hugging Face causal LM, which shifts
         its labels). Given, the weight is this rank's share of the terms every rank counted (one
         small all-reduce: pass it on every rank alike), so the gradient is exact whatever
-        ``Data.loss_terms`` says. None: for a Hugging Face model given ``labels=`` in this step's
-        forward, the terms its loss averages over are counted from them (:mod:`poise.run.terms`);
-        otherwise the weight of the planned batches' ``loss_terms``.
+        ``Data.loss_terms`` says. None: without ``Data.loss_terms``, for a Hugging Face model given
+        ``labels=`` in this step's forward, the terms its loss averages over are counted from them
+        (:mod:`poise.run.terms`); otherwise the weight of the planned batches' ``loss_terms``.
 
         Raises:
             ValueError: after the step ended, a second time in one step, or (at the session's

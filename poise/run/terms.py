@@ -5,7 +5,8 @@ the weight is exact only if the terms are the ones the loss averages over. For a
 model given ``labels`` the loss is known: the mean over the labels that are not -100, shifted
 by one for a causal language model (it predicts token n+1 from tokens up to n). Counting those
 in the batch in hand makes the common case exact without the user knowing the trick
-(``step.backward(loss, num_items=...)``); any other model keeps ``Data.loss_terms``.
+(``step.backward(loss, num_items=...)``); ``Data.loss_terms``, when given, stand (no count,
+no all-reduce per step), and any other model keeps them (or one term per sample).
 
 :class:`LabelCount` is a forward pre-hook on the session's model: it counts the terms of each
 forward given ``labels`` and the step reads the count (:mod:`poise.run.step`).

@@ -178,6 +178,9 @@ def test_a_session_left_without_finish_says_so_even_inside_main(tmp_path):
             "on every rank after the last step)")
     assert said in lines, proc.stderr[-2000:]  # said when the session was dropped, or at exit: once
     assert lines.count(said) == 1
+    # neither loss_terms nor num_items: what the weights assume is said once, at the first backward (item 5)
+    assert sum("poise weighs each rank's mean loss by its share of the step's samples (Data.loss_terms not given: "
+               "one term per sample)" in line for line in lines) == 1, proc.stderr[-2000:]
 
 
 def _fall_back(rank: int, world_size: int) -> dict:

@@ -59,6 +59,7 @@ except ImportError:
 
 from poise.comm import builder as comm_builder
 from poise.config import CommConfig
+from poise.config.former import CHANGES, FormerName, former_keywords
 from poise.run.session import DATA_FIELDS, SESSION_KEYWORDS, Session, Step
 from poise.runtime import dist as rdist
 
@@ -91,6 +92,9 @@ class _SessionSteps:
         if set_here:
             raise ValueError(f"{name} sets {', '.join(set_here)} itself (accum_steps is the trainer's "
                              "accumulate_grad_batches, total_steps its max_steps)")
+        former = former_keywords(sorted(kwargs))  # an older poise's keyword: Lightning would hand it to DDP
+        if former:
+            raise FormerName(f"{name}: keyword(s) {', '.join(former)} ({CHANGES})")
         self._session_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in _SESSION_ARGS}
         comm = self._session_kwargs.get("comm", "none")
         self._session_kwargs["comm"] = self.comm_config = CommConfig(codec=comm) if isinstance(comm, str) else comm

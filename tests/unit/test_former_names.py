@@ -75,3 +75,12 @@ def test_a_per_step_codec_under_an_outer_mode_is_refused_by_the_config():
                                          r"sync.mode='diloco' never runs"):
         from_dict({"sync": {"mode": "diloco"}, "comm": {"codec": "fp16"}})
     from_dict({"sync": {"mode": "diloco", "warmup_steps": 5}, "comm": {"codec": "fp16"}})  # the warm-up uses it
+
+
+def test_a_former_keyword_of_the_lightning_strategy_names_its_replacement():
+    """Lightning would hand an unknown keyword to DDP, which fails far from the cause."""
+    pytest.importorskip("lightning")
+    from poise.integrations.lightning import PoiseStrategy
+
+    with pytest.raises(ValueError, match=r"^PoiseStrategy: keyword\(s\) rank_speed \(now emulate="):
+        PoiseStrategy(lengths=[1, 2], batch_size=1, rank_speed="1:0.5")

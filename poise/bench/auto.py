@@ -112,8 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"scenarios, comma-separated: {', '.join(SCENARIOS)} (S4, S5: root, ip and tc; "
                              f"default {','.join(DEFAULT_SCENARIOS)})")
     parser.add_argument("--seeds", default="0,1,2", help="seeds, comma-separated: medians and ranges over them")
-    parser.add_argument("--steps", type=int, default=150, help="steps of the reference run (ddp)")
-    parser.add_argument("--extra-steps", type=float, default=1.0,
+    parser.add_argument("--steps", type=int, default=100, help="steps of the reference run (ddp)")
+    parser.add_argument("--extra-steps", type=float, default=0.5,
                         help="the other runs may take this share more steps to reach the reference's loss")
     parser.add_argument("--eval-every", type=int, default=10, help="evaluate every N steps (time to the loss)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit per job, seconds")

@@ -28,7 +28,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # What the fork server imports before it forks a rank: what every world needs and is slow to import.
-PRELOAD = ["torch", "torch.distributed", "numpy", "poise", "tests.harness"]
+# torch._dynamo is imported by DDP's constructor (seconds of a rank's first DistributedDataParallel,
+# 10 s on a loaded machine); pytest by every test module a rank unpickles its function from.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.testing", "numpy", "pytest", "poise",
+           "tests.harness"]
 _CONTEXT: Any = None
 
 
@@ -86,14 +89,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 60.0, 
             rank, value = results.get()
             out[rank] = pickle.loads(value)
 
-    while not procs.join(timeout=0.2):
-        drain()
-        if time.monotonic() > deadline:
-            alive = [r for r, p in enumerate(procs.processes) if p.is_alive()]
-            for p in procs.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"ranks {alive} still running after {timeout_s} s")
+    def kill() -> list[int]:
+        alive = [r for r, p in enumerate(procs.processes) if p.is_alive()]
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+        return alive
+
+    try:
+        while not procs.join(timeout=0.2):
+            drain()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {kill()} still running after {timeout_s} s")
+    except BaseException:
+        # pytest-timeout's (or a ^C's) exception lands here too: a world left running would keep
+        # the test session from exiting (the interpreter joins its children at exit)
+        kill()
+        raise
     drain()
     del store
     return [out[r] for r in range(world_size)]

@@ -23,7 +23,8 @@ def test_the_defaults_are_five_scenarios_over_three_seeds():
     assert [s.key for s in scenarios] == ["S2", "S9", "S1", "S7", "S3"] and seeds == [0, 1, 2]
     s7 = auto.SCENARIOS["S7"]
     assert "1:0.5@50-100" in s7.flags(150) and s7.changes(150) == (50, 100)
-    assert list(s7.runs()) == ["ddp", "auto", "cost", "dynamic"] and s7.runs()["ddp"] == ("--balance", "static")
+    assert list(s7.runs()) == ["ddp", "auto", "dynamic"] and s7.runs()["ddp"] == ("--balance", "static")
+    assert list(auto.SCENARIOS["S9"].runs()) == ["ddp", "auto", "cost", "dynamic"]
 
 
 @pytest.mark.parametrize(("flag", "value", "match"), [
@@ -70,3 +71,15 @@ def test_the_docs_table_is_written_from_the_summary():
     assert lines[0].startswith("| scenario | run | time to DDP's loss")
     assert lines[3] == ("| S2 | auto | 50.0 (50.0-50.0) | 2.00x | - | 1.00x | 10 | 0.900 | 0.10 | 1/1 |")
     assert lines[4].startswith("| S2 | cost | not reached | - |")
+
+
+def test_the_decide_page_quotes_its_results_file_whole():
+    """One figure per claim: docs/decide.md's table is the one the bench wrote into
+    docs/results/bench-auto.json (a page edited by hand, or a file replaced, fails here)."""
+    import json
+
+    from tests.conftest import ROOT
+
+    data = json.loads((ROOT / "docs" / "results" / "bench-auto.json").read_text())
+    assert data["bench"] == "auto" and data["summary"] == auto.summarize(data["runs"])
+    assert auto.markdown_table(data["summary"]) in (ROOT / "docs" / "decide.md").read_text()

@@ -325,7 +325,10 @@ class DynamicPartitioner:
         # all of them, speeds from the last ``window_steps``
         self.window: deque[tuple[float, float, float]] = deque(maxlen=max(window_steps, HISTORY_STEPS))
         self.history: list[Replan] = []
-        self.spent_s = 0.0  # seconds in re-plans, the all-gather included: what deciding costs this rank
+        # seconds in re-plans, the all-gather included (its wait for the last rank to end its step
+        # is time the next step's all-reduce would wait otherwise), and of them in deciding alone
+        self.spent_s = 0.0
+        self.decide_s = 0.0
 
     def observe(self, batch_lengths: np.ndarray, compute_s: float) -> None:
         """Record this rank's step: its batch's lengths and its own compute seconds."""
@@ -382,7 +385,11 @@ class DynamicPartitioner:
             return Replan(step, [], self.shares.tolist(), getattr(self.sampler.cost_fn, "alpha", None),
                           decision="wait")
         every = np.stack([blocks[r, 1 + counts[r] - common:1 + counts[r]] for r in range(world)])  # [ranks, steps, 3]
-        return self.decide(every, step)
+        started = time.perf_counter()
+        try:
+            return self.decide(every, step)
+        finally:
+            self.decide_s += time.perf_counter() - started
 
     def decide(self, every: np.ndarray, step: int) -> Replan:
         """The re-plan from every rank's gathered window (``[ranks, steps, 3]``: the terms of

@@ -177,10 +177,18 @@ def measure(report: dict[str, Any], run_dir: Path, target: float | None, changes
         "final_eval_loss": report.get("eval_loss"),
         "recovered_after_steps": [recovery_steps(balances, at) for at in changes if at < len(balances)],
         "decisions": len(report.get("decisions") or []),
-        # what deciding the split cost: rank 0's seconds in re-plans over the run's training seconds
-        "replan_share": (float(report["replan_s"]) / float(curve[-1]["train_s"])
-                         if report.get("replan_s") is not None and curve and curve[-1]["train_s"] > 0 else None),
+        # what deciding the split cost, over the run's training seconds: rank 0's seconds in
+        # re-plans (the gather's wait for the last rank included: an upper bound), and in deciding
+        "replan_share": _share(report.get("replan_s"), curve),
+        "decide_share": _share(report.get("replan_decide_s"), curve),
     }
+
+
+def _share(seconds: float | None, curve: Sequence[dict[str, float]]) -> float | None:
+    """``seconds`` over the run's training seconds (its last evaluation's), or None."""
+    if seconds is None or not curve or curve[-1]["train_s"] <= 0:
+        return None
+    return float(seconds) / float(curve[-1]["train_s"])
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -195,7 +203,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"scenario": scenario, "run": run, "seeds": len(seeds),
                                    "command": seeds[0]["command"]}
             for key in ("time_to_target_s", "tokens_to_target", "tokens_per_s", "balance", "padding_waste",
-                        "final_eval_loss", "replan_share"):
+                        "final_eval_loss", "replan_share", "decide_share"):
                 values = [r[key] for r in seeds if r.get(key) is not None]
                 row[key] = statistics.median(values) if values else None
                 row[f"{key}_range"] = [min(values), max(values)] if values else None
@@ -231,7 +239,8 @@ COLUMNS = [
     ("tokens_per_s", "tokens/s", lambda v: _fmt(v, ",.0f")),
     ("balance", "balance", lambda v: _fmt(v, ".3f")),
     ("padding_waste", "padding/token", lambda v: _fmt(v, ".2f")),
-    ("replan_share", "deciding", lambda v: "-" if not v else f"{v:.1%}"),
+    ("replan_share", "re-plans", lambda v: "-" if not v else f"{v:.1%}"),
+    ("decide_share", "deciding", lambda v: "-" if not v else f"{v:.1%}"),
     ("reached", "seeds at target", str),
 ]
 

@@ -184,8 +184,10 @@ def run_keys(recorder: Recorder, ranks: list[dict[str, Any]], *, compression_sta
         "compression_start_step": compression_start,  # optimizer steps sent uncompressed first
         "codec_trial": trial.summary() if trial else None,
         "replans": [e.__dict__ for e in partitioner.history] if partitioner else [],
-        # rank 0's seconds in re-plans (the all-gather included): what deciding the split cost
+        # rank 0's seconds in re-plans: all of it (the all-gather and its wait for the last rank
+        # to end its step included), and deciding alone (what no step would otherwise spend)
         "replan_s": getattr(partitioner, "spent_s", 0.0) if partitioner else 0.0,
+        "replan_decide_s": getattr(partitioner, "decide_s", 0.0) if partitioner else 0.0,
         "straggler": [d.pop("straggler") for d in ranks],  # per rank; None: off
         "memory": [d.pop("memory") for d in ranks],  # per rank: policy, resident MB, state (poise/runtime/memory.py)
         "emulated_slowdown": ranks,  # speed 1.0, method 'none' = not slowed

@@ -81,5 +81,5 @@ def test_the_decide_page_quotes_its_results_file_whole():
     from tests.conftest import ROOT
 
     data = json.loads((ROOT / "docs" / "results" / "bench-auto.json").read_text())
-    assert data["bench"] == "auto" and data["summary"] == auto.summarize(data["runs"])
-    assert auto.markdown_table(data["summary"]) in (ROOT / "docs" / "decide.md").read_text()
+    assert data["bench"] == "auto"
+    assert auto.markdown_table(auto.summarize(data["runs"])) in (ROOT / "docs" / "decide.md").read_text()

@@ -56,7 +56,7 @@ def test_a_config_with_an_emoji_in_its_paths_and_strings_reads_back_as_written(t
     out = tmp_path / "runs \U0001f680 é"
     cache = str(tmp_path / "c\U0001f600\"\\")
     config = cfg.from_dict({"out_dir": str(out), "task": {"name": "digits", "cache_dir": cache},
-                            "train": {"frozen": "emb\U0001f9ea"}})
+                            "checkpoint": {"dir": str(tmp_path / "ck\U0001f9ea")}})
     path = cfg.save(config, tmp_path / "config.toml")
     assert (tmp_path / "config.toml").read_bytes().isascii()
     back = cfg.load(path)  # what every worker does first

@@ -108,9 +108,12 @@ def test_the_gradient_is_the_exact_mean_over_the_terms_computed(world_size, dela
     assert all(deadlines[s] is not None or empty[s - 1] or catch_up[s] for s in range(first, steps))
     # one small collective a step (the count that also agrees the next deadline)
     assert results[0]["small"] == list(range(1, steps + 1))
-    # the slow rank really was cut: its micro-batches were taken over by the others, or deferred
-    taken_over = sum(r["summary"]["micro_taken_over"] for r in results)
-    assert results[1]["summary"]["micro_taken_over"] == 0 and taken_over + results[1]["summary"]["micro_deferred"] > 0
+    # the slow rank really was cut: the others took over (or deferred) more of its micro-batches
+    # than it took of theirs (it may take one in a catch-up step, whose pool is dealt to every
+    # rank: whether it does depends on how fast this machine runs the others)
+    slow = results[1]["summary"]
+    others = sum(r["summary"]["micro_taken_over"] for r in results) - slow["micro_taken_over"]
+    assert slow["micro_taken_over"] < others + slow["micro_deferred"]
     if world_size == 3:
         # rank 1's stalls (30x its compute) outlast the deadline: its watchdog entered the
         # reduction for it while it slept (those steps' gradients were exact, above), never the

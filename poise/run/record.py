@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 import numpy as np
 import torch.distributed as dist
 
-from poise.balance.rebalance import DynamicPartitioner, window_terms
+from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner
+from poise.balance.speeds import window_terms
 from poise.comm.trial import CodecTrial
 from poise.diagnostics import report as report_mod
 from poise.diagnostics.timeline import StepRecord, Timeline

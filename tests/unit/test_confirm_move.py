@@ -5,7 +5,8 @@ Driven by recorded measurements, never by what this machine measures."""
 import numpy as np
 
 from poise.balance import make_sampler
-from poise.balance.rebalance import DynamicPartitioner, move_confirmed, step_balance
+from poise.balance.rebalance import DynamicPartitioner
+from poise.balance.speeds import move_confirmed, step_balance
 
 LENGTHS = np.full(400, 32)  # every sample alike: one cost unit is one sample's work
 

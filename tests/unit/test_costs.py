@@ -4,16 +4,16 @@ import numpy as np
 import pytest
 
 from poise.balance.costs import AttentionCost, fit_alpha, measured_speeds
-from poise.balance.rebalance import (
+from poise.balance.rebalance import DynamicPartitioner
+from poise.balance.sampler import BalancedBatchSampler
+from poise.balance.speeds import (
     RECENT_STEPS,
-    DynamicPartitioner,
     SpeedEstimate,
     choose_shares,
     estimate_speeds,
     next_shares,
     speed_scatter,
 )
-from poise.balance.sampler import BalancedBatchSampler
 
 
 def test_attention_cost():

@@ -23,6 +23,7 @@ Example (under ``torchrun --nproc-per-node 2``)::
     session.finish()
 
 How it is put together: :mod:`poise.run.build` (the parts), :mod:`poise.run.step` (a step),
+:mod:`poise.run.deadline_loop` (the loop of deadline steps),
 :mod:`poise.run.record` (records and the report), :mod:`poise.sync` (the strategy).
 ``poise train`` runs its built-in tasks through this same class (``poise/train/loop.py``).
 """
@@ -53,7 +54,8 @@ from poise.diagnostics import report as report_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import StepRecord
 from poise.run import build as build_mod
-from poise.run.data import DATA_FIELDS, Data, Sampler, check_dataset, check_loader
+from poise.run.data import DATA_FIELDS, Data, Sampler, check_loader, loader_dataset
+from poise.run.deadline_loop import DeadlineLoop
 from poise.run.record import run_keys, warn_unfinished, write_report
 from poise.run.state import load_session_state, session_state
 from poise.run.step import DeadlineStep, Step, StepEnv, StepListener
@@ -68,7 +70,11 @@ log = logging.getLogger(__name__)
 
 
 class Session:
-    """poise attached to one rank of a user's own data-parallel training loop (see module doc).
+    """poise attached to one rank of a user's own data-parallel training loop: it gives your
+    DataLoader a balanced batch sampler (:attr:`sampler`), wraps your model for the
+    synchronization strategy (:attr:`model`), weights each step's loss so the reduced gradient is
+    exact (:meth:`steps`, :meth:`step`), measures every rank, re-plans, keeps its state for your
+    checkpoints (:meth:`state_dict`) and writes the report, timeline and trace (:meth:`finish`).
 
     Every rank makes one, with the same arguments, after ``init_process_group``.
 
@@ -199,7 +205,8 @@ class Session:
 
     @property
     def backward(self) -> Callable[[torch.Tensor], Any] | None:
-        """How :meth:`Step.backward` runs backward when not given a way (see class doc)."""
+        """How :meth:`Step.backward` runs backward on the weighted loss when not given a way:
+        ``accelerator.backward``, a grad scaler's, ...; None: ``loss.backward()``."""
         return self._env.backward
 
     @backward.setter
@@ -235,8 +242,10 @@ class Session:
     def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
         """``DataLoader(dataset, batch_sampler=self.sampler, **kwargs)``, after checking that
         the dataset has one sample per entry of ``lengths`` (and with an emulated slow input
-        pipeline around ``collate_fn``, if one is configured)."""
-        check_dataset(dataset, self.lengths)
+        pipeline around ``collate_fn``, if one is configured). With packed rows
+        (``Data(row_tokens=...)``) the loader reads the dataset's documents as pieces
+        (:class:`poise.run.packed.PieceView`): your collate gets each rank's pieces row by row."""
+        dataset = loader_dataset(dataset, self.sampler)
         collate = self._emulation.wrap_collate(kwargs.pop("collate_fn", None))
         if collate is not None:
             kwargs["collate_fn"] = collate
@@ -298,7 +307,8 @@ class Session:
         """
         check_loader(loader, self.sampler, self.lengths)
         if self.deadline is not None:
-            yield from self._deadline_steps(loader)
+            loop = DeadlineLoop(self._env, self.sampler, self._recorder, self.rank)
+            yield from loop.steps(loader, self._hand_out)
             return
         for batch in loader:
             step = self.step()
@@ -325,39 +335,6 @@ class Session:
             return
         done = step.plan.settled if isinstance(step, DeadlineStep) else step.backward_done
         step.end() if done else step.abort()
-
-    def _deadline_steps(self, loader: Any) -> Iterator[tuple[DeadlineStep, Iterator[Any]]]:
-        dataset, collate = loader.dataset, loader.collate_fn
-
-        def load(indices: np.ndarray) -> Any:
-            return collate([dataset[int(i)] for i in indices])
-
-        deadline = self.deadline
-        assert deadline is not None
-        for _ in self.sampler:  # this rank's batch of each planned step; its micro-batches are loaded in the step
-            step = self._deadline_step(catch_up=False)
-            yield from self._hand_out(step, step.micro_batches(load))
-        while len(deadline.runner.pool):  # the epoch's deferred samples, every rank agreeing on the pool
-            step = self._deadline_step(catch_up=True)
-            yield from self._hand_out(step, step.micro_batches(load))
-
-    def _deadline_step(self, catch_up: bool) -> DeadlineStep:
-        deadline = self.deadline
-        assert deadline is not None
-        if self._recorder.active is not None:
-            raise ValueError("a deadline step while another step is open")
-        if catch_up:
-            epoch, position, handed_s, batches = self.sampler.epoch, -1, time.perf_counter(), None
-        else:
-            epoch, position, handed_s = self.sampler.handed.popleft()
-            batches = self.sampler.global_batches(position)
-        plan = deadline.runner.plan_step(self.steps_done, batches)
-        queue = plan.queues.micro[self.rank]
-        step = DeadlineStep(self._env, plan=plan, index=self.steps_done, epoch=epoch, position=position,
-                            indices=np.concatenate(queue) if queue else np.zeros(0, dtype=np.int64))
-        step._open(data_s=self._recorder.data_s(handed_s))
-        plan.started_s = time.perf_counter()
-        return step
 
     # -- state -----------------------------------------------------------------------------
 

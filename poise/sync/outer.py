@@ -33,23 +33,14 @@ the piece of the change its local rank owns.
 Outer changes can be compressed with poise's codecs (``fp16``, ``bf16``, ``int8``, ``topk``),
 always with error feedback: what a round fails to send is added to the next round's change.
 
-``auto`` measures before it chooses. Its first ``auto_trial_steps`` steps are DDP's (they count
-as the warm-up): the probe splits each into compute and the communication backward waited for
-after its last bucket (DDP overlaps the rest with backward). If that exposed communication is
-at most ``auto_max_overhead`` of the step's compute, every step keeps synchronizing (plain DDP
-through ``[comm]``: on a fast link outer steps could only lose accuracy). Otherwise as many
-steps again synchronize in full after each (local SGD with H=1, the outer step's own collective
-and codec, timed blocking) and it takes outer steps with the fewest inner steps H that keep
-``sync_s / (H compute_s)`` within that share (at most a tenth of the steps left), DiLoCo's
-Nesterov step if that leaves ``AUTO_DILOCO_ROUNDS`` rounds or more, plain averaging for fewer
-(momentum needs rounds to pay). The choice and its figures go into the report (``sync`` key).
+``auto`` times DDP's steps, then, if their exposed communication is too large, fully
+synchronized ones, and chooses every-step synchronization or outer steps every H inner steps
+(:mod:`poise.sync.auto`). The choice and its figures go into the report (``sync`` key).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,35 +57,12 @@ from poise.comm.trial import CodecTrial
 from poise.config import CommConfig, SyncConfig
 from poise.runtime.clock import Clock
 from poise.sync.allreduce import AllReduce, HookWrapper
+from poise.sync.auto import AutoTrial, choose_inner_steps, per_step_pays
 from poise.sync.base import LossScope
 from poise.sync.fragments import fragments, launch_step
 from poise.sync.nodes import assemble, average_across_nodes, make_nodes, piece
 
 log = logging.getLogger(__name__)
-
-# auto never picks fewer inner steps than this for an outer mode, nor more than the cap
-AUTO_MIN_INNER, AUTO_MAX_INNER = 2, 500
-# auto's outer step is DiLoCo's (Nesterov) from this many rounds left, else plain averaging
-AUTO_DILOCO_ROUNDS = 50
-
-
-def per_step_pays(exposed_s: float, compute_s: float, max_overhead: float) -> bool:
-    """``auto``'s first question: whether DDP's exposed communication (seconds a step that
-    backward waited for its all-reduce after computing its last bucket) is at most
-    ``max_overhead`` of a step's compute seconds. Then no outer step can save more than that
-    share, and every outer step costs accuracy: per-step synchronization stays."""
-    return compute_s <= 0 or exposed_s <= max_overhead * compute_s
-
-
-def choose_inner_steps(sync_s: float, compute_s: float, max_overhead: float, steps_left: int | None = None) -> int:
-    """``auto``'s H: 1 (synchronize every step) when one synchronization costs at most
-    ``max_overhead`` of a step's compute, else the fewest inner steps that keep it there, and
-    at most a tenth of the ``steps_left`` (if known): DiLoCo needs rounds to converge."""
-    if compute_s <= 0 or sync_s <= max_overhead * compute_s:
-        return 1
-    cap = AUTO_MAX_INNER if steps_left is None else max(AUTO_MIN_INNER, min(AUTO_MAX_INNER, steps_left // 10))
-    return max(AUTO_MIN_INNER, min(cap, math.ceil(sync_s / (max_overhead * compute_s))))
-
 
 @dataclass
 class Pending:
@@ -168,10 +136,7 @@ class Outer:
         codec = make("none") if config.codec == "none" else ErrorFeedback(make(config.codec, **self._options()))
         self.reducer = make_reducer(codec, self.nodes.cross_group, self.counters)
         self.codec = codec
-        self.choice: dict[str, Any] | None = None  # auto's decision and its figures
-        self._ddp_trial: list[tuple[float, float]] = []  # auto: (compute s, exposed communication s) of DDP's steps
-        self._trial: list[tuple[float, float]] = []  # auto: (compute s, sync s) of each fully synchronized step
-        self._ddp_figures: tuple[float, float] | None = None  # auto: DDP's median (compute s, exposed s), all ranks
+        self.auto = AutoTrial(config, world_size, self.device)  # auto's timings and choice (idle in other modes)
         self._step_began = 0.0
         self._across_s = 0.0  # inner_scope=node: seconds this step's gradients took between the nodes
         self._origin: Any = 0.0  # a mark of the probe's clock at the step's start (auto's DDP trial)
@@ -221,7 +186,7 @@ class Outer:
         self.node_counters.reset()
         self._step_began = time.perf_counter()
         self._across_s = 0.0
-        if self.config.mode == "auto" and self._ddp_figures is None:
+        if self.config.mode == "auto" and self.auto.timing_ddp:
             self._origin = self.probe.clock.mark()  # where auto's DDP trial reads the probe's marks from
 
     def micro_batch(self, last: bool) -> None:
@@ -245,7 +210,7 @@ class Outer:
             return
         if self.warmup_left > 0:
             if optimizer_step:
-                if self.config.mode == "auto" and self._ddp_figures is None:
+                if self.config.mode == "auto" and self.auto.timing_ddp:
                     self._time_ddp_step()
                     if self.per_step:
                         return
@@ -267,8 +232,11 @@ class Outer:
                     fragment, len(self.groups), self.inner_steps):
                 self._launch(fragment, delay=0 if final else None)
         self._apply_due(everything=final, mix=not final)  # the run's last: every rank takes the global model
-        if self.config.mode == "auto" and self.choice is None:
-            self._auto_trial(compute_s, time.perf_counter() - sync_began)
+        if self.config.mode == "auto" and self.auto.choice is None:
+            left = self.last_step - self.steps if self.last_step is not None else None
+            choice = self.auto.synchronized_step(compute_s, time.perf_counter() - sync_began, left)
+            if choice is not None:
+                self._take(choice)
 
     def _restart_rounds(self) -> None:
         """Outer rounds start from the parameters every rank now holds alike."""
@@ -338,64 +306,24 @@ class Outer:
         self.outer_steps += 1
 
     def _time_ddp_step(self) -> None:
-        """``auto``: time one of DDP's steps; after the last, every rank takes the same first
-        decision (per-step synchronization, or outer steps to be timed next)."""
+        """``auto``: time one of DDP's steps for the trial (:mod:`poise.sync.auto`)."""
         step_s = time.perf_counter() - self._step_began
         exposed = self._across_s
         if self.probe.last_ready is not None:  # busy minus hidden: what backward waited for after its compute
             busy, hidden = self.probe.comm_overlap(self.probe.last_ready, self._origin)
             exposed += busy - hidden
-        self._ddp_trial.append((step_s - exposed, exposed))
-        if len(self._ddp_trial) < self.config.auto_trial_steps:
-            return
-        compute_s, exposed_s = _agreed_medians(self._ddp_trial[1:], self.world_size, self.device)  # DDP's first
-        self._ddp_figures = (compute_s, exposed_s)  # step rebuilds its buckets: not timed
-        if not per_step_pays(exposed_s, compute_s, self.config.auto_max_overhead):
-            return  # outer steps: their own synchronization is timed after the warm-up
-        self.per_step = True
-        self._choose("step", 1, f"DDP's all-reduce left {exposed_s:.3f} s a step exposed against {compute_s:.3f} s "
-                                f"of compute ({_share(exposed_s, compute_s):.1%} <= "
-                                f"{self.config.auto_max_overhead:.0%}): every step synchronizes, exactly")
-
-    def _auto_trial(self, compute_s: float, sync_s: float) -> None:
-        """``auto``, after DDP's steps left too much exposed: time one fully synchronized step;
-        after the last, every rank chooses H alike."""
-        self._trial.append((compute_s, sync_s))
-        if len(self._trial) < self.config.auto_trial_steps:
-            return
-        compute_s, sync_s = _agreed_medians(self._trial[1:], self.world_size, self.device)  # the first
-        ddp = ""  # warms up the collective; (no DDP figures: resumed from an older poise's checkpoint)
-        if self._ddp_figures is not None:
-            ddp_compute_s, exposed_s = self._ddp_figures
-            ddp = (f"DDP's all-reduce left {exposed_s:.3f} s a step exposed against {ddp_compute_s:.3f} s of "
-                   f"compute ({_share(exposed_s, ddp_compute_s):.0%} > {self.config.auto_max_overhead:.0%}); ")
-        left = self.last_step - self.steps if self.last_step is not None else None
-        h = choose_inner_steps(sync_s, compute_s, self.config.auto_max_overhead, left)
-        overhead = _share(sync_s, compute_s)
-        if h == 1:
+        if self.auto.ddp_step(step_s - exposed, exposed):
             self.per_step = True
-            self._choose("step", 1, ddp + f"one blocking synchronization takes {sync_s:.3f} s against {compute_s:.3f} "
-                                          f"s of compute ({overhead:.1%}): every step synchronizes, exactly")
-            return
-        self.inner_steps = h
-        # Nesterov's outer momentum pays over many rounds; over few, plain averaging did better
-        # (code-lm, 4 workers, 100 steps: eval 2.98 at H=10 against DiLoCo's 3.21)
-        rounds = left // h if left is not None else None
-        diloco = rounds is None or rounds >= AUTO_DILOCO_ROUNDS
-        if diloco:
-            self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
-        outer = "DiLoCo" if diloco else f"parameter averaging (local SGD: {rounds} rounds, < {AUTO_DILOCO_ROUNDS})"
-        self._choose("diloco" if diloco else "local_sgd", h, ddp + (
-            f"one blocking synchronization takes {sync_s:.3f} s against {compute_s:.3f} s of compute a step: {outer} "
-            f"every {h} steps keeps it to {overhead / h:.1%} of compute"
-            + ("" if left is None or h < left // 10 else f" (at most a tenth of the {left} steps left)")),
-            compute_s=compute_s, sync_s=sync_s)
 
-    def _choose(self, mode: str, h: int, why: str, **figures: float) -> None:
-        compute_s, exposed_s = self._ddp_figures or (0.0, 0.0)
-        self.choice = {"mode": mode, "inner_steps": h, "ddp_compute_s": compute_s, "ddp_exposed_s": exposed_s,
-                       **figures, "why": why}
-        log.info("sync auto: %s", why)
+    def _take(self, choice: dict[str, Any]) -> None:
+        """``auto``'s choice after its fully synchronized steps: every step, or H inner steps
+        (DiLoCo's Nesterov outer step, or plain averaging)."""
+        if choice["mode"] == "step":
+            self.per_step = True
+            return
+        self.inner_steps = int(choice["inner_steps"])
+        if choice["mode"] == "diloco":
+            self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
 
     def between_steps(self) -> bool:
         return self.inner.between_steps()
@@ -441,10 +369,8 @@ class Outer:
                     "result": p.result.wait().clone() if p.result is not None else None} for p in self.pending]
         self.pending = [Pending(p["fragment"], p["apply_after"], _done(p["result"])) for p in pending]
         return {"inner": self.inner.state_dict(), "steps": self.steps, "outer_steps": self.outer_steps,
-                "inner_steps": self.inner_steps, "per_step": self.per_step, "choice": self.choice,
-                "warmup_left": self.warmup_left,
-                "auto_trial": {"ddp": list(self._ddp_trial), "outer": list(self._trial),
-                               "ddp_figures": self._ddp_figures},
+                "inner_steps": self.inner_steps, "per_step": self.per_step, "choice": self.auto.choice,
+                "warmup_left": self.warmup_left, "auto_trial": self.auto.state_dict(),
                 "local": [self._flat(g) for g in self.groups], "global": [g.clone() for g in self.global_],
                 "momenta": [m.clone() for m in self.momenta], "tokens": list(self.tokens), "pending": pending,
                 "in_sync": list(self.in_sync),
@@ -458,13 +384,9 @@ class Outer:
         self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
         self.inner_steps, self.per_step = int(state["inner_steps"]), bool(state["per_step"])
         self.warmup_left = int(state["warmup_left"])
-        self.choice = state["choice"]
-        trial = state.get("auto_trial", {})  # auto's timings so far (none in an older poise's checkpoint)
-        self._ddp_trial = [(float(a), float(b)) for a, b in trial.get("ddp", [])]
-        self._trial = [(float(a), float(b)) for a, b in trial.get("outer", [])]
-        figures = trial.get("ddp_figures")
-        self._ddp_figures = (float(figures[0]), float(figures[1])) if figures is not None else None
-        if self.choice is not None and self.choice["mode"] == "diloco":
+        # auto's timings so far (none in an older poise's checkpoint) and its choice
+        self.auto.load_state_dict(state.get("auto_trial", {}), state["choice"])
+        if self.auto.choice is not None and self.auto.choice["mode"] == "diloco":
             self.lr, self.momentum = self.config.outer_lr, self.config.outer_momentum
         for i, group in enumerate(self.groups):
             self._write(group, state["local"][i])
@@ -489,26 +411,14 @@ class Outer:
         log.info("sync %s: resumed on another rank or world size: outer momentum starts from zero", self.config.mode)
 
     def summary(self) -> dict[str, Any]:
-        mode = self.config.mode if self.choice is None else f"auto: {self.choice['mode']}"
+        choice = self.auto.choice
+        mode = self.config.mode if choice is None else f"auto: {choice['mode']}"
         return {"mode": mode, "inner_steps": self.inner_steps, "warmup_steps": self.config.warmup_steps,
                 "fragments": len(self.groups), "inner_scope": self.config.inner_scope,
                 "ranks_per_node": self.nodes.ranks_per_node,
                 "outer_steps": self.outer_steps, "final_sync_at_finish": self.concluded,
                 "codec": self.config.codec, "weighting": self.config.weighting,
-                "outer_lr": self.lr, "outer_momentum": self.momentum, "auto": self.choice}
-
-
-def _agreed_medians(timed: Sequence[tuple[float, float]], world_size: int,
-                    device: torch.device) -> tuple[float, float]:
-    """The ranks' mean of this rank's medians of each figure (seconds): every rank decides alike."""
-    mine = torch.tensor([statistics.median(t[0] for t in timed), statistics.median(t[1] for t in timed)],
-                        dtype=torch.float64, device=device)
-    dist.all_reduce(mine)
-    return float(mine[0]) / world_size, float(mine[1]) / world_size
-
-
-def _share(part_s: float, whole_s: float) -> float:
-    return part_s / whole_s if whole_s > 0 else 0.0
+                "outer_lr": self.lr, "outer_momentum": self.momentum, "auto": choice}
 
 
 def _plus(a: StepStats, b: StepStats) -> StepStats:

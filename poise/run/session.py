@@ -54,7 +54,7 @@ from poise.diagnostics import report as report_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import StepRecord
 from poise.run import build as build_mod
-from poise.run.data import DATA_FIELDS, Data, Sampler, check_loader, loader_dataset
+from poise.run.data import DATA_FIELDS, Data, Sampler, check_dataset, check_loader
 from poise.run.deadline_loop import DeadlineLoop
 from poise.run.record import run_keys, warn_unfinished, write_report
 from poise.run.state import load_session_state, session_state
@@ -70,11 +70,7 @@ log = logging.getLogger(__name__)
 
 
 class Session:
-    """poise attached to one rank of a user's own data-parallel training loop: it gives your
-    DataLoader a balanced batch sampler (:attr:`sampler`), wraps your model for the
-    synchronization strategy (:attr:`model`), weights each step's loss so the reduced gradient is
-    exact (:meth:`steps`, :meth:`step`), measures every rank, re-plans, keeps its state for your
-    checkpoints (:meth:`state_dict`) and writes the report, timeline and trace (:meth:`finish`).
+    """poise attached to one rank of a user's own data-parallel training loop (see module doc).
 
     Every rank makes one, with the same arguments, after ``init_process_group``.
 
@@ -205,8 +201,7 @@ class Session:
 
     @property
     def backward(self) -> Callable[[torch.Tensor], Any] | None:
-        """How :meth:`Step.backward` runs backward on the weighted loss when not given a way:
-        ``accelerator.backward``, a grad scaler's, ...; None: ``loss.backward()``."""
+        """How :meth:`Step.backward` runs backward when not given a way (see class doc)."""
         return self._env.backward
 
     @backward.setter
@@ -242,10 +237,8 @@ class Session:
     def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
         """``DataLoader(dataset, batch_sampler=self.sampler, **kwargs)``, after checking that
         the dataset has one sample per entry of ``lengths`` (and with an emulated slow input
-        pipeline around ``collate_fn``, if one is configured). With packed rows
-        (``Data(row_tokens=...)``) the loader reads the dataset's documents as pieces
-        (:class:`poise.run.packed.PieceView`): your collate gets each rank's pieces row by row."""
-        dataset = loader_dataset(dataset, self.sampler)
+        pipeline around ``collate_fn``, if one is configured)."""
+        check_dataset(dataset, self.lengths)
         collate = self._emulation.wrap_collate(kwargs.pop("collate_fn", None))
         if collate is not None:
             kwargs["collate_fn"] = collate

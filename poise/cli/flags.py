@@ -48,6 +48,15 @@ ALIASES = {
     "--checkpoint-every": "checkpoint.every_steps",
     "--checkpoint-dir": "checkpoint.dir",
 }
+# The value each alias takes, as --help and the reference show it (a setting without one here is
+# named by its type: N, X, TEXT, true|false).
+METAVARS = {
+    "--task": "NAME", "--max-seq-len": "BYTES", "--nnodes": "NODES", "--node-rank": "RANK",
+    "--rdzv-endpoint": "HOST:PORT", "--out": "DIR", "--balance": "STRATEGY", "--rank-speed": "RANK:SPEED,...",
+    "--codec": "CODEC", "--straggler": "MODE", "--sync": "MODE", "--parallel": "MODE", "--delay": "SPEC",
+    "--topk-ratio": "RATIO", "--collective": "NAME", "--bucket-mb": "MB", "--link": "RATE",
+    "--fail-at": "RANK:STEP", "--checkpoint-dir": "DIR", "--lr": "LR", "--schedule": "NAME", "--partition": "METHOD",
+}
 # On/off switches: --NAME sets the boolean setting true, --no-NAME false.
 SWITCHES = {
     "--error-feedback": "comm.error_feedback",
@@ -89,13 +98,23 @@ def _fields() -> dict[str, tuple[Any, str]]:
     return out
 
 
+def value_name(kind: Any) -> str:
+    """The value a setting of type ``kind`` takes, by its type (``int | None`` -> ``N``)."""
+    names = {str(part).strip() for part in str(getattr(kind, "__name__", kind)).split("|")} - {"None"}
+    for name, shown in (("bool", "true|false"), ("int", "N"), ("float", "X")):
+        if name in names or f"<class '{name}'>" in names:
+            return shown
+    return "TEXT"
+
+
 def add_config_flags(parser: argparse.ArgumentParser, extra_aliases: dict[str, str] | None = None) -> None:
     """Add ``--config FILE``, the aliases (plus a command's own ``extra_aliases``) and every
     ``--section.field`` flag to ``parser``."""
     parser.add_argument("--config", metavar="FILE", help="TOML config file (flags override it)")
     fields = _fields()
     for flag, key in {**ALIASES, **(extra_aliases or {})}.items():
-        parser.add_argument(flag, dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V",
+        parser.add_argument(flag, dest=_PREFIX + key, default=argparse.SUPPRESS,
+                            metavar=METAVARS.get(flag, value_name(fields[key][0])),
                             help=f"{fields[key][1]} (= --{key})")
     for flag, key in SWITCHES.items():
         negated = "--no-" + flag.removeprefix("--")
@@ -108,8 +127,9 @@ def add_config_flags(parser: argparse.ArgumentParser, extra_aliases: dict[str, s
         parser.add_argument(flag, dest=_PAIR_PREFIX + flag, default=argparse.SUPPRESS, metavar=metavar,
                             help=f"{help_} (= --{first} {a} --{second} {b})")
     group = parser.add_argument_group("every setting")
-    for key, (_, help_) in fields.items():
-        group.add_argument(f"--{key}", dest=_PREFIX + key, default=argparse.SUPPRESS, metavar="V", help=help_)
+    for key, (kind, help_) in fields.items():
+        group.add_argument(f"--{key}", dest=_PREFIX + key, default=argparse.SUPPRESS, metavar=value_name(kind),
+                           help=help_)
     for name, former in cfg.FORMER_SECTIONS.items():  # the former spellings, still accepted (not listed)
         parser.add_argument(f"--{former}.{name}", dest=f"{_PREFIX}emulate.{name}", default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)

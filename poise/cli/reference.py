@@ -124,8 +124,9 @@ def config_page() -> str:
         "Every setting of a run, in the sections of a TOML config file (`poise train --config FILE`).",
         "Each is also a flag, `--section.field` (the everyday ones have a short alias as well), and",
         "flags override the file: defaults < `--config` file < flags. In your own script the",
-        "`balance`, `comm`, `straggler`, `emulate`, `diagnostics` and `metrics` sections are the",
-        "config objects `poise.Session` takes ([API reference](api.md)). The unit is part of each",
+        "`balance`, `comm`, `straggler`, `sync`, `emulate`, `diagnostics` and `metrics` sections are",
+        "the config objects `poise.Session` takes (`BalanceConfig`, ..., `SyncConfig`, ...: the",
+        "[API reference](api.md)). The unit is part of each",
         "field's name (`_s` seconds, `_bytes` bytes, `_steps` steps, `_mb` megabytes). Every run",
         "records the config it ran as `config.toml` in its output directory.",
         "",
@@ -204,6 +205,14 @@ def _command(prog: str, parser: argparse.ArgumentParser, summary: str, level: in
     return lines
 
 
+def _setting_default(key: str) -> Any:
+    """The default of the dotted config key ``key`` (``train.steps``), as a run resolves it."""
+    value: Any = cfg.RunConfig()
+    for name in key.split("."):
+        value = getattr(value, name)
+    return value
+
+
 def _flag_row(action: argparse.Action, prog: str) -> str:
     names = ", ".join(code(s) for s in action.option_strings) or code(action.dest)
     if action.nargs == 0:
@@ -213,7 +222,9 @@ def _flag_row(action: argparse.Action, prog: str) -> str:
     else:
         value = code(str(action.metavar or action.dest.upper().rsplit(".", 1)[-1]))
     default = action.default
-    if default is None or default is argparse.SUPPRESS or default is False or action.nargs == 0:
+    if action.dest.startswith(_PREFIX):  # an alias of a setting: the setting's own default
+        shown = toml_value(_setting_default(action.dest[len(_PREFIX):]))
+    elif default is None or default is argparse.SUPPRESS or default is False or action.nargs == 0:
         shown = "-"
     else:
         shown = code(repr(default) if default == "" else str(default))

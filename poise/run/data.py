@@ -24,10 +24,12 @@ Sampler = StaticSchedule | BalancedBatchSampler
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Data:
-    """What is trained on, per rank and step (see module doc). Give ``lengths`` or ``costs`` (or
-    neither, with ``dataset``: every sample then costs the same) and one budget, or ``sampler``.
+    """What is trained on, per rank and step: what each sample costs (to split a step across
+    the ranks), what the loss averages over (to weight unequal batches exactly), the budget of
+    a step and the run's length. Give ``lengths`` or ``costs`` (or neither, with ``dataset``:
+    every sample then costs the same) and one budget, or ``sampler``.
 
-    Attributes:
+    Args:
         lengths: per-sample size in tokens (metadata, one per dataset sample): what a sample
             costs to train on is ``cost_fn(length)``.
         costs: instead of ``lengths``, per-sample cost in any unit, used as it is.

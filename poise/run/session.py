@@ -70,7 +70,11 @@ log = logging.getLogger(__name__)
 
 
 class Session:
-    """poise attached to one rank of a user's own data-parallel training loop (see module doc).
+    """poise attached to one rank of a user's own data-parallel training loop: it gives your
+    DataLoader a balanced batch sampler (:attr:`sampler`), wraps your model for the
+    synchronization strategy (:attr:`model`), weights each step's loss so the reduced gradient is
+    exact (:meth:`steps`, :meth:`step`), measures every rank, re-plans, keeps its state for your
+    checkpoints (:meth:`state_dict`) and writes the report, timeline and trace (:meth:`finish`).
 
     Every rank makes one, with the same arguments, after ``init_process_group``.
 
@@ -201,7 +205,8 @@ class Session:
 
     @property
     def backward(self) -> Callable[[torch.Tensor], Any] | None:
-        """How :meth:`Step.backward` runs backward when not given a way (see class doc)."""
+        """How :meth:`Step.backward` runs backward on the weighted loss when not given a way:
+        ``accelerator.backward``, a grad scaler's, ...; None: ``loss.backward()``."""
         return self._env.backward
 
     @backward.setter

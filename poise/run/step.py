@@ -129,15 +129,16 @@ class Step:
     """One training step of one rank, open from :meth:`Session.step` until :meth:`end`.
 
     Attributes:
-        index: steps (micro-batches) before this one in the run.
-        epoch, position: where this step sits in the data plan.
-        indices: this rank's sample indices for the step.
-        weight: the factor :meth:`backward` multiplies the loss by (exact weighting, divided
-            by ``accum_steps``).
-        sync: whether gradients are reduced in this step (step your optimizer only then: an
-            optimizer step of the model's parameters in another is refused).
-        skipped: set it True when you skipped the optimizer step (reported as such).
-        loss: the loss given to :meth:`backward` (a detached tensor), or None.
+        index (int): steps (micro-batches) before this one in the run.
+        epoch (int): the data plan's epoch this step belongs to.
+        position (int): the step's place in its epoch's plan (-1: a deadline step's catch-up).
+        indices (np.ndarray): this rank's sample indices for the step.
+        weight (float): the factor :meth:`backward` multiplies the loss by (exact weighting,
+            divided by ``accum_steps``).
+        sync (bool): whether gradients are reduced in this step (step your optimizer only then:
+            an optimizer step of the model's parameters in another is refused).
+        skipped (bool): set it True when you skipped the optimizer step (reported as such).
+        loss (torch.Tensor | None): the loss given to :meth:`backward` (a detached tensor), or None.
     """
 
     def __init__(self, env: StepEnv, *, index: int, epoch: int, position: int, indices: np.ndarray,
@@ -328,14 +329,15 @@ class Step:
 
 
 class DeadlineStep(Step):
-    """A step under ``straggler`` (see :mod:`poise.sync.deadline`): micro-batches until the
-    shared deadline, one :meth:`backward` each; the reduction is the exact mean over the loss
-    terms every rank actually computed.
+    """A step under ``straggler`` (``poise/sync/deadline/``): micro-batches until the shared
+    deadline, one :meth:`backward` each; the reduction is the exact mean over the loss terms
+    every rank actually computed. It has :class:`Step`'s attributes, and these:
 
-    Attributes (besides :class:`Step`'s):
-        plan: the step's queues, deadline and counts (:class:`~poise.sync.deadline.StepPlan`).
-        trained: this rank's sample indices trained in the step (after :meth:`end`).
-        empty: no rank computed anything (skip the optimizer step: the gradient is zero).
+    Attributes:
+        plan (StepPlan): the step's queues, deadline and counts
+            (:class:`~poise.sync.deadline.StepPlan`).
+        trained (np.ndarray): this rank's sample indices trained in the step (after :meth:`end`).
+        empty (bool): no rank computed anything (skip the optimizer step: the gradient is zero).
     """
 
     def __init__(self, env: StepEnv, *, plan: StepPlan, index: int, epoch: int, position: int,

@@ -78,7 +78,6 @@ from poise.balance.speeds import (
     move_confirmed,
     speed_scatter,
     step_costs,
-    window_terms,
 )
 
 log = logging.getLogger(__name__)
@@ -151,7 +150,7 @@ class DynamicPartitioner:
         self._observed += 1
         if self._observed == 1:
             return  # DDP's bucket rebuild and lazy allocations: not this rank's speed
-        self.window.append(window_terms(batch_lengths, compute_s))
+        self.window.append((*self.sampler.cost_terms(batch_lengths), compute_s))
 
     def due(self, steps_done: int) -> bool:
         """Whether to re-plan before the next step, after ``steps_done`` steps in total: at the

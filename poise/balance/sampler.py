@@ -36,6 +36,7 @@ from poise.balance.sharding import (
     split_step,
     take_step,
 )
+from poise.balance.speeds import window_terms
 from poise.balance.static_schedule import StaticSchedule
 
 # cost(L) = L + α·L² with α ≈ 1/(6·d_model): a prior for small transformers; pass your own.
@@ -160,6 +161,12 @@ class BalancedBatchSampler(EpochSampler):
         if cost_fns is not None and len(cost_fns) != self.world_size:
             raise ValueError(f"rank cost functions: {len(cost_fns)} given for {self.world_size} ranks")
         self.rank_cost_fns = None if cost_fns is None else [as_cost_fn(f) for f in cost_fns]
+
+    def cost_terms(self, batch_lengths: np.ndarray) -> tuple[float, float]:
+        """A rank's measured step's cost terms, from which any α gives its cost (``terms[0] +
+        α·terms[1]``): the padded batch's ``n·Lmax`` and ``n·Lmax²`` (what the re-planner records)."""
+        terms = window_terms(batch_lengths, 0.0)
+        return terms[0], terms[1]
 
     def set_speeds(self, speeds: Sequence[float] | np.ndarray) -> None:
         """New relative speeds per rank (every rank must set the same ones)."""

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from poise.balance import BalancedBatchSampler
+from poise.balance.packed_sampler import PackedBatchSampler
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner, load_replans
 from poise.comm import registry
@@ -99,7 +100,7 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
                          "a deadline step accumulates its own micro-batches (straggler.micro_batches); "
                          "use accum_steps=1")
     sampler = plan_sampler(data, balance, rank, world_size)
-    loss_terms = data.terms()
+    loss_terms = sampler.piece_terms() if isinstance(sampler, PackedBatchSampler) else data.terms()
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     keep = device.type == "cpu" if keep_freed_memory is None else keep_freed_memory

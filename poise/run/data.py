@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from poise.balance import BalancedBatchSampler, StaticSchedule, make_sampler
+from poise.balance.packed_sampler import PackedBatchSampler, make_packed_sampler
 from poise.balance.sampler import sampler_inputs
 from poise.config import BalanceConfig
+from poise.run.packed import PieceView
 
 Sampler = StaticSchedule | BalancedBatchSampler
 
@@ -44,6 +46,14 @@ class Data:
             samples of average cost per rank (cost, dynamic).
         batch_tokens: instead, padded tokens per rank per step.
         batch_cost: instead, cost units per step over all ranks together (cost, dynamic).
+        row_tokens: pack documents into rows of this many tokens (LLM pre-training's packed
+            sequences, attention per document): ``lengths`` are then the documents' token
+            counts, documents longer than a row are cut into pieces of it, ``batch_size``
+            counts rows per rank per step (``batch_tokens``: tokens, whole rows), and poise
+            decides which pieces go in which row on which rank so that every rank's ``Σ
+            cost(L)`` over its pieces, divided by its speed, is equal
+            (:mod:`poise.balance.packing`; ``static``: rows filled in order, equal rows per
+            rank). Each piece's loss terms are its tokens but the first. None: padded batches.
         seed: seed of the data order, the same on every rank.
         accum_steps: micro-batches per optimizer step (gradient accumulation): the steps of a
             window but the last run without reducing; :attr:`Step.sync` says which.
@@ -65,6 +75,7 @@ class Data:
     batch_size: int | None = None
     batch_tokens: int | None = None
     batch_cost: float | None = None
+    row_tokens: int | None = None
     seed: int = 0
     accum_steps: int = 1
     total_steps: int | None = None
@@ -82,6 +93,20 @@ class Data:
                 or (self.batch_size, self.batch_tokens, self.batch_cost) != (None,) * 3):
             raise ValueError("sampler= comes with its own lengths, costs and budget: give none of lengths, "
                              "costs, cost_fn, batch_size, batch_tokens, batch_cost")
+        if self.row_tokens is not None:
+            self._check_packed()
+
+    def _check_packed(self) -> None:
+        """One line for what packed rows cannot take."""
+        if isinstance(self.row_tokens, bool) or not isinstance(self.row_tokens, int) or self.row_tokens < 2:
+            raise ValueError(f"row_tokens={self.row_tokens!r} must be an integer >= 2 (tokens in one packed row)")
+        given = [name for name in ("sampler", "costs", "loss_terms", "batch_cost") if getattr(self, name) is not None]
+        if given:
+            raise ValueError(f"row_tokens={self.row_tokens} packs documents by their lengths=: {given[0]}= does not "
+                             "apply (each piece's loss terms are its tokens but the first; count others with "
+                             "step.backward(loss, num_items=...)); give lengths= and batch_size= (rows per rank)")
+        if self.lengths is None:
+            raise ValueError(f"row_tokens={self.row_tokens}: give lengths=, the documents' token counts")
 
     def terms(self) -> np.ndarray | None:
         """``loss_terms`` as an array (None: one term per sample)."""
@@ -103,6 +128,11 @@ def plan_sampler(data: Data, balance: BalanceConfig, rank: int, world_size: int)
                              f"process is rank {rank} of {world_size}")
         if balance.strategy == "dynamic" and not isinstance(sampler, BalancedBatchSampler):
             raise ValueError(f"balance 'dynamic' re-plans a BalancedBatchSampler, not a {type(sampler).__name__}")
+    elif data.row_tokens is not None:
+        values, cost = sampler_inputs(data.lengths, None, data.cost_fn, balance.cost_model, balance.cost_alpha, None)
+        sampler = make_packed_sampler(balance.strategy, values, rank=rank, world_size=world_size,
+                                      row_tokens=data.row_tokens, batch_size=data.batch_size,
+                                      batch_tokens=data.batch_tokens, cost_fn=cost, seed=data.seed)
     else:
         count = len(data.dataset) if data.dataset is not None else None if terms is None else len(terms)
         values, cost = sampler_inputs(data.lengths, data.costs, data.cost_fn, balance.cost_model,
@@ -113,8 +143,22 @@ def plan_sampler(data: Data, balance: BalanceConfig, rank: int, world_size: int)
     if terms is not None and len(terms) != len(sampler.lengths):
         raise ValueError(f"loss_terms has {len(terms)} entries but there are {len(sampler.lengths)} samples")
     if data.dataset is not None:
-        check_dataset(data.dataset, sampler.lengths)
+        check_dataset(data.dataset, documents(sampler))
     return sampler
+
+
+def documents(sampler: Sampler) -> np.ndarray:
+    """The lengths of the samples of the user's dataset: the documents' of a packed sampler
+    (whose ``lengths`` are its pieces'), else the sampler's ``lengths``."""
+    return sampler.doc_lengths if isinstance(sampler, PackedBatchSampler) else sampler.lengths
+
+
+def loader_dataset(dataset: Any, sampler: Sampler) -> Any:
+    """What a DataLoader over ``sampler``'s batches loads from: ``dataset`` itself, or for a
+    packed sampler its pieces (:class:`~poise.run.packed.PieceView`), after checking that it
+    has one sample per entry of :func:`documents`."""
+    check_dataset(dataset, documents(sampler))
+    return PieceView(dataset, sampler.pieces) if isinstance(sampler, PackedBatchSampler) else dataset
 
 
 def check_dataset(dataset: Any, lengths: np.ndarray) -> None:
@@ -137,6 +181,10 @@ def check_loader(loader: Any, sampler: Sampler, lengths: np.ndarray) -> None:
                              "would not be the one weighted: do not prepare the session's loader"
                              if wrapped else f"it batches with {type(batch_sampler).__name__}"))
     dataset = getattr(loader, "dataset", None)
+    if isinstance(sampler, PackedBatchSampler) and not isinstance(dataset, PieceView):
+        raise ValueError("session.steps(loader): a packed session's batches are pieces of documents: make the "
+                         "loader with session.dataloader(dataset) (or over poise.run.packed.PieceView(dataset, "
+                         "session.sampler.pieces))")
     if dataset is not None and hasattr(dataset, "__len__"):
         check_dataset(dataset, lengths)
 
@@ -144,4 +192,5 @@ def check_loader(loader: Any, sampler: Sampler, lengths: np.ndarray) -> None:
 # Data's fields, by name (Session.from_kwargs tells them from the session's own keywords).
 DATA_FIELDS = tuple(f.name for f in dataclasses.fields(Data))
 
-__all__ = ["DATA_FIELDS", "Data", "Sampler", "check_dataset", "check_loader", "plan_sampler"]
+__all__ = ["DATA_FIELDS", "Data", "Sampler", "check_dataset", "check_loader", "documents", "loader_dataset",
+           "plan_sampler"]

@@ -157,7 +157,10 @@ class Recorder:
 
     def pending_window(self) -> list[tuple[float, float, float]]:
         """The re-planner's window terms of the steps not yet read (for a checkpoint)."""
-        return [window_terms(self.lengths[m.indices], m.record(self.clock).compute_s) for m in self.pending]
+        if self.partitioner is None:
+            return [window_terms(self.lengths[m.indices], m.record(self.clock).compute_s) for m in self.pending]
+        terms = self.partitioner.sampler.cost_terms  # a packed sampler's are its rows'
+        return [(*terms(self.lengths[m.indices]), m.record(self.clock).compute_s) for m in self.pending]
 
     # -- evaluations -------------------------------------------------------------------------
 

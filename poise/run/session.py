@@ -54,7 +54,7 @@ from poise.diagnostics import report as report_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import StepRecord
 from poise.run import build as build_mod
-from poise.run.data import DATA_FIELDS, Data, Sampler, check_dataset, check_loader
+from poise.run.data import DATA_FIELDS, Data, Sampler, check_loader, loader_dataset
 from poise.run.deadline_loop import DeadlineLoop
 from poise.run.record import run_keys, warn_unfinished, write_report
 from poise.run.state import load_session_state, session_state
@@ -242,8 +242,10 @@ class Session:
     def dataloader(self, dataset: Any, **kwargs: Any) -> DataLoader:
         """``DataLoader(dataset, batch_sampler=self.sampler, **kwargs)``, after checking that
         the dataset has one sample per entry of ``lengths`` (and with an emulated slow input
-        pipeline around ``collate_fn``, if one is configured)."""
-        check_dataset(dataset, self.lengths)
+        pipeline around ``collate_fn``, if one is configured). With packed rows
+        (``Data(row_tokens=...)``) the loader reads the dataset's documents as pieces
+        (:class:`poise.run.packed.PieceView`): your collate gets each rank's pieces row by row."""
+        dataset = loader_dataset(dataset, self.sampler)
         collate = self._emulation.wrap_collate(kwargs.pop("collate_fn", None))
         if collate is not None:
             kwargs["collate_fn"] = collate

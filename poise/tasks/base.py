@@ -30,6 +30,8 @@ class Batch:
         num_samples: real samples in the batch.
         num_tokens: real tokens (bytes for code-lm, 1 per image for digits), padding excluded.
         num_padded_tokens: tokens the model computes on, padding included (samples × longest).
+        rows: packed rows only: each row's documents' lengths in tokens, in order (a row's
+            padding follows its last document); None for a batch of padded samples.
     """
 
     inputs: torch.Tensor
@@ -37,6 +39,7 @@ class Batch:
     num_samples: int
     num_tokens: int
     num_padded_tokens: int
+    rows: tuple[tuple[int, ...], ...] | None = None
 
     def to(self, device: torch.device) -> Batch:
         return Batch(
@@ -45,6 +48,7 @@ class Batch:
             num_samples=self.num_samples,
             num_tokens=self.num_tokens,
             num_padded_tokens=self.num_padded_tokens,
+            rows=self.rows,
         )
 
 
@@ -86,6 +90,8 @@ class Task:
         loss_unit: how to read ``eval_loss`` (``bits/byte`` or ``nats/sample``).
         default_batch_size: samples per rank per step when the user gives none.
         default_lr: learning rate when the user gives none.
+        row_tokens: packed rows of this many tokens (``collate`` fills rows with documents,
+            attention per document); None: batches of padded samples.
     """
 
     name: str
@@ -101,6 +107,7 @@ class Task:
     loss_unit: str
     default_batch_size: int
     default_lr: float
+    row_tokens: int | None = None
 
     def loss_in_unit(self, nats: float) -> float:
         """Convert a mean loss in nats to ``loss_unit`` (bits per byte divide by ln 2)."""

@@ -5,10 +5,18 @@ caching and the train/validation split live there), truncated here to ``max_seq_
 bytes per sample at load time. The model is a small pre-LN decoder-only transformer over
 the 256 byte values whose blocks live in ``model.blocks`` so that a pipeline can cut
 between them.
+
+Packed (``packed=True``): training documents are whole definitions, cut into pieces of
+``max_seq_len`` bytes by the sampler when longer, and :func:`collate_packed` fills rows of
+``max_seq_len`` bytes with them in order. The model then attends within each document only
+(:func:`document_attention`: one causal attention per document, so its cost follows Σ L²
+over the documents rather than the row's length squared) and positions restart at each
+document: a packed row computes what each of its documents alone would.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -93,7 +101,83 @@ def collate_bytes(samples: Sequence[torch.Tensor]) -> Batch:
     )
 
 
+def collate_packed(samples: Sequence[torch.Tensor], *, row_tokens: int) -> Batch:
+    """Fill rows of ``row_tokens`` bytes with ``samples`` (documents, or pieces of them) in
+    order: a row closes when the next one does not fit (next fit, as the packed sampler plans
+    them: its rows come back exactly); a sample longer than a row is cut at the row length.
+
+    ``inputs`` is ``[rows, row_tokens]`` int64 (padding holds byte 0 after a row's last
+    document, which attends nothing); ``targets`` holds each document's next byte and
+    ``IGNORE_INDEX`` at its last byte and on padding, so a document of L bytes has L - 1 loss
+    terms; ``rows`` gives each row's documents' lengths.
+
+    Raises:
+        ValueError: the batch is empty or a sample has fewer than 2 bytes.
+    """
+    if not samples:
+        raise ValueError("collate_packed got an empty batch; need at least one sample")
+    pieces = [s[start:start + row_tokens] for s in samples for start in range(0, len(s), row_tokens)]
+    if min(len(p) for p in pieces) < MIN_SAMPLE_BYTES:
+        raise ValueError(f"a document (or its last piece) of {min(len(p) for p in pieces)} bytes; need at least 2")
+    rows: list[list[torch.Tensor]] = []
+    used = row_tokens
+    for piece in pieces:
+        if used + len(piece) > row_tokens:
+            rows.append([])
+            used = 0
+        rows[-1].append(piece)
+        used += len(piece)
+    tokens = torch.zeros(len(rows), row_tokens, dtype=torch.int64)
+    targets = torch.full((len(rows), row_tokens), IGNORE_INDEX, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        offset = 0
+        for piece in row:
+            values = piece.to(torch.int64)
+            tokens[r, offset:offset + len(piece)] = values
+            targets[r, offset:offset + len(piece) - 1] = values[1:]
+            offset += len(piece)
+    real = sum(len(p) for p in pieces)
+    return Batch(inputs=tokens, targets=targets, num_samples=len(pieces), num_tokens=real,
+                 num_padded_tokens=int(tokens.numel()), rows=tuple(tuple(len(p) for p in row) for row in rows))
+
+
 # --------------------------------------------------------------------------- model
+
+
+Rows = tuple[tuple[int, ...], ...]
+"""Packed rows: each row's documents' lengths in tokens, in order (:attr:`Batch.rows`)."""
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Causal attention of each document with itself only (a block-diagonal document mask):
+    ``q, k, v`` are ``[rows, heads, row_tokens, head_dim]``; one
+    ``scaled_dot_product_attention`` per document, so the cost is Σ L² over the documents,
+    not the row's length squared. Positions after a row's last document (padding) attend
+    nothing and get zeros."""
+    length = q.shape[2]
+    out = []
+    for r, lengths in enumerate(rows):
+        parts, start = [], 0
+        for doc in lengths:
+            span = slice(start, start + doc)
+            parts.append(F.scaled_dot_product_attention(q[r:r + 1, :, span], k[r:r + 1, :, span],
+                                                        v[r:r + 1, :, span], is_causal=True))
+            start += doc
+        if start < length:
+            parts.append(q.new_zeros(1, q.shape[1], length - start, q.shape[3]))
+        out.append(torch.cat(parts, dim=2))
+    return torch.cat(out, dim=0)
+
+
+def document_positions(rows: Rows, length: int, device: torch.device) -> torch.Tensor:
+    """``[rows, length]`` positions that restart at 0 at each document (0 on padding)."""
+    positions = torch.zeros(len(rows), length, dtype=torch.int64)
+    for r, lengths in enumerate(rows):
+        start = 0
+        for doc in lengths:
+            positions[r, start:start + doc] = torch.arange(doc)
+            start += doc
+    return positions.to(device)
 
 
 class CausalSelfAttention(nn.Module):
@@ -105,11 +189,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
         batch, length, d_model = x.shape
         qkv = self.qkv(x).view(batch, length, 3, self.num_heads, d_model // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, L, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if rows is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = document_attention(q, k, v, rows)
         return self.proj(out.transpose(1, 2).reshape(batch, length, d_model))
 
 
@@ -125,8 +212,8 @@ class TransformerBlock(nn.Module):
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rows)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -141,13 +228,16 @@ class ByteEmbedding(nn.Module):
         self.token_embedding = token_embedding
         self.position_embedding = position_embedding
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.position_embedding.num_embeddings:
             raise ValueError(
                 f"input of {length} bytes exceeds max_seq_len={self.position_embedding.num_embeddings}"
             )
-        positions = torch.arange(length, device=tokens.device)
+        if rows is None:
+            positions = torch.arange(length, device=tokens.device)
+        else:
+            positions = document_positions(rows, length, tokens.device)
         return self.token_embedding(tokens) + self.position_embedding(positions)
 
 
@@ -201,11 +291,18 @@ class ByteTransformer(nn.Module):
             OutputHead(self.final_norm, self.head),
         ]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = tokens
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
+    def forward(self, tokens: torch.Tensor, rows: Rows | None = None) -> torch.Tensor:
+        """Logits of ``tokens``; with ``rows`` (packed rows: :attr:`Batch.rows`), attention per
+        document and positions restarting at each."""
+        if rows is None:
+            x = tokens
+            for layer in self.pipeline_layers():
+                x = layer(x)
+            return x
+        x = ByteEmbedding(self.token_embedding, self.position_embedding)(tokens, rows)
+        for block in self.blocks:
+            x = block(x, rows)
+        return self.head(self.final_norm(x))
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -217,7 +314,7 @@ def _init_weights(module: nn.Module) -> None:
 
 def code_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Mean cross-entropy (nats) over the batch's real target bytes."""
-    logits = model(batch.inputs)
+    logits = model(batch.inputs) if batch.rows is None else model(batch.inputs, batch.rows)
     return F.cross_entropy(
         logits.reshape(-1, VOCAB_SIZE), batch.targets.reshape(-1), ignore_index=IGNORE_INDEX
     )
@@ -225,7 +322,7 @@ def code_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
 
 def code_lm_eval_sums(model: nn.Module, batch: Batch) -> EvalSums:
     """Summed cross-entropy (nats), arg-max hits and count over real target bytes."""
-    logits = model(batch.inputs).reshape(-1, VOCAB_SIZE)
+    logits = (model(batch.inputs) if batch.rows is None else model(batch.inputs, batch.rows)).reshape(-1, VOCAB_SIZE)
     targets = batch.targets.reshape(-1)
     real = targets != IGNORE_INDEX
     loss_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -254,6 +351,7 @@ def build_code_lm_task(
     num_heads: int,
     cache_dir: Path,
     seed: int,
+    packed: bool = False,
 ) -> Task:
     """Build the ``code-lm`` task (loads or builds the corpus cache in ``cache_dir``).
 
@@ -264,6 +362,8 @@ def build_code_lm_task(
         num_heads: attention heads (>= 1).
         cache_dir: where the corpus index is cached.
         seed: seeds the model initialisation only; the data split never depends on it.
+        packed: train on whole documents packed into rows of ``max_seq_len`` bytes, attention
+            per document (see module doc); held-out samples are truncated as unpacked.
 
     Raises:
         ValueError: an argument is out of range.
@@ -279,6 +379,9 @@ def build_code_lm_task(
         )
     corpus = load_corpus(cache_dir)
     train_set, eval_set = make_datasets(corpus, max_seq_len)
+    if packed:  # whole documents: the sampler cuts the long ones into pieces of a row
+        train, _ = split_indices(corpus)
+        train_set = ByteSampleDataset(corpus.blob, corpus.offsets[train], corpus.lengths[train].astype(np.int64))
 
     def build_model() -> nn.Module:
         # Fork the CPU RNG (only: forking every device RNG is slow) so building a model
@@ -301,10 +404,11 @@ def build_code_lm_task(
         # FLOPs per token: ~24·d² in the linear layers, ~4·L·d in attention -> α ≈ 1/(6·d).
         cost_alpha=1.0 / (6.0 * d_model),
         build_model=build_model,
-        collate=collate_bytes,
+        collate=functools.partial(collate_packed, row_tokens=max_seq_len) if packed else collate_bytes,
         train_loss=code_lm_loss,
         eval_sums=code_lm_eval_sums,
         loss_unit="bits/byte",
         default_batch_size=8,
         default_lr=1e-3,
+        row_tokens=max_seq_len if packed else None,
     )

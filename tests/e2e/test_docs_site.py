@@ -9,7 +9,9 @@ parameter.
 from __future__ import annotations
 
 import dataclasses
+import html as _html
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +60,26 @@ def test_the_built_reference_holds_every_field_command_and_parameter(site: Path)
             assert name in api, f"Session({name}=...) is not in the API reference"
     for field in dataclasses.fields(poise.Data):
         assert field.name in api, f"Data({field.name}=...) is not in the API reference"
+
+
+# A Sphinx role as the built page shows it when nothing rendered it (docs/hooks/sphinx_roles.py does)
+UNRENDERED_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|data|attr|obj|exc|const|ref):`?\w")
+
+
+def unrendered_roles(html: str) -> list[str]:
+    """The Sphinx roles printed literally in a built page's text (tags and entities undone)."""
+    text = _html.unescape(re.sub(r"<[^>]+>", "", html))
+    return [text[max(0, m.start() - 40):m.end() + 40].replace("\n", " ") for m in UNRENDERED_ROLE.finditer(text)]
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT_S + 60)
+def test_no_page_of_the_site_prints_a_sphinx_role(site: Path) -> None:
+    found = [f"{page.relative_to(site)}: {hit}" for page in sorted(site.rglob("*.html"))
+             for hit in unrendered_roles(page.read_text())]
+    assert not found, "roles printed literally (a docstring role the griffe extension missed):\n" + "\n".join(found)
+
+
+def test_an_unrendered_role_is_found_and_a_rendered_one_is_not() -> None:
+    assert unrendered_roles("<p>what is trained on (:class:<code>poise.Data</code>: lengths)</p>")
+    assert unrendered_roles("see :meth:`step`")
+    assert not unrendered_roles('<p>see <a href="#poise.Session.step"><code>step</code></a> and 10:30</p>')

@@ -126,14 +126,17 @@ def check_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
 def check_parallel(config: cfg.RunConfig) -> None:
     """``poise train`` runs DDP, FSDP2 and HSDP; data x pipeline parallelism is ``poise pipeline``'s.
     A sharded model's codec and collective are checked here too, before any worker starts (the
-    same rules :class:`poise.sync.Sharded` applies in every worker).
+    same rules :class:`poise.sync.Sharded` applies in every worker), and that the task's optional
+    packages are installed.
 
     Raises:
         ValueError: ``parallel.mode`` is ``dp-pp``, or fsdp/hsdp with a codec or collective
-            that only DDP runs.
+            that only DDP runs, or the task needs a package this environment lacks.
     """
     from poise.comm import registry
+    from poise.tasks.registry import check_installed
 
+    check_installed(config.task.name)
     mode, codec = config.parallel.mode, config.comm.codec
     if mode == "dp-pp":
         raise ValueError("parallel.mode='dp-pp' is data x pipeline parallelism: run it with `poise pipeline` "

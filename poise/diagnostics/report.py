@@ -148,6 +148,10 @@ def summarize(table: np.ndarray, loss_scale: float = 1.0) -> dict[str, Any]:
         "comm_wire_bytes_mean_per_step": float(np.mean(wire)),
         # every rank's bytes over every token trained (all steps)
         "wire_bytes_per_token": float(column(table, "wire_bytes").sum() / max(tokens, 1)),
+        # the steps in which the ranks sent anything (all steps), and a rank's mean bytes in those:
+        # with outer steps (local SGD, DiLoCo) what one synchronization costs, beside the mean above
+        "steps_sending": int((column(table, "wire_bytes").mean(axis=0) > 0).sum()),
+        "wire_bytes_per_sending_step": _per_sending_step(column(table, "wire_bytes")),
         # median over the steps that sent something, so the uncompressed warm-up steps do not
         # dilute it and an outer strategy's silent inner steps do not read as 0
         "compression_ratio": float(np.median(raw[wire > 0] / wire[wire > 0])) if (wire > 0).any() else 1.0,
@@ -278,14 +282,42 @@ def plot_timelines(panels: Sequence[tuple[str, np.ndarray]], path: str | Path, *
     return Path(path)
 
 
-def summary_table(report: dict[str, Any]) -> Any:
-    """A rich Table of the headline figures of a report.json dict."""
-    from rich.table import Table
+def _per_sending_step(wire: np.ndarray) -> float:
+    """A rank's mean wire bytes over the steps in which the ranks sent anything (``wire``:
+    ``[ranks, steps]``); 0 when none did."""
+    per_step = wire.mean(axis=0)
+    sent = per_step > 0
+    return float(per_step[sent].mean()) if sent.any() else 0.0
 
-    table = Table(title=f"poise train: {report['task']} on {report['world_size']} ranks, "
-                        f"balance {report.get('balance_strategy', 'static')}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+
+# how each outer mode synchronizes, for the summary (the report's ``sync`` dict fills it in)
+_OUTER_WORDS = {
+    "local_sgd": "parameters averaged every {H} steps (H)",
+    "diloco": "an outer step every {H} steps (H): Nesterov SGD on the averaged change, lr {lr:g}, momentum {m:g}",
+    "streaming": "{F} fragments in turn, each every {H} steps (H): Nesterov SGD, lr {lr:g}, momentum {m:g}",
+    "torch-localsgd": "torch's post-local SGD: parameters averaged every {H} steps (H)",
+    "torchft-diloco": "torchft's DiLoCo: an outer step every {H} steps (H)",
+}
+
+
+def summary_rows(report: dict[str, Any]) -> tuple[str, list[tuple[str, str]]]:
+    """The title and the (metric, value) rows of the summary ``poise train`` prints, from a
+    report.json dict.
+
+    The title names what was on (balance, the per-step codec, the synchronization). Bytes per
+    step are the mean over the run's steps (after the first): where outer steps synchronize
+    (local SGD, DiLoCo, Streaming) most steps send nothing and the median would read 0, so a
+    row also gives the steps that sent and a rank's mean bytes in each; the outer steps that
+    ran, and H, are said. Bytes are decimal MB (10^6), per rank.
+    """
+    sync = report.get("sync") if isinstance(report.get("sync"), dict) else {"mode": "step"}
+    mode = str(sync.get("mode", "step"))
+    outer = mode.removeprefix("auto: ") in _OUTER_WORDS
+    codec = report.get("codec", "none")
+    title = (f"poise train: {report['task']} on {report['world_size']} ranks; balance "
+             f"{report.get('balance_strategy', 'static')}, codec {codec}, sync {mode}")
+    if outer:
+        title += f" (H={sync.get('inner_steps')})"
     unit = report.get("loss_unit", "")
     rows = [
         ("steps", f"{report['steps']}"),
@@ -297,13 +329,51 @@ def summary_table(report: dict[str, Any]) -> Any:
         ("idle fraction", f"{report['idle_fraction']:.1%}"),
         ("comm fraction", f"{report['comm_fraction']:.1%}"),
         ("comm hidden by backward", f"{report['comm_overlap']:.0%} of {report['comm_busy_s_per_step'] * 1e3:.1f} ms"),
-        ("bytes communicated / step", f"{report['bytes_communicated_per_step'] / 1e6:.3f} MB"),
-        ("compression", f"{report['compression_ratio']:.1f}x ({report.get('codec', 'none')})"),
+        ("bytes communicated / step (mean)", f"{report['bytes_communicated_per_step'] / 1e6:.3f} MB"),
+    ]
+    if outer:
+        rows += _outer_rows(report, sync, mode)
+    else:
+        rows.append(("compression", f"{report['compression_ratio']:.1f}x ({codec})"))
+    rows += [
         ("padding waste", f"{report['padding_waste']:.2f} padded per real token"),
         ("train loss (first → last)", f"{report['train_loss_first']:.3f} → {report['train_loss_last']:.3f} {unit}"),
         ("eval loss", f"{report['eval_loss']:.4f} {unit}"),
         ("eval accuracy", f"{report['eval_accuracy']:.2%}"),
     ]
+    return title, rows
+
+
+def _outer_rows(report: dict[str, Any], sync: dict[str, Any], mode: str) -> list[tuple[str, str]]:
+    """The summary's rows for a run whose ranks meet in outer steps: how, how often, how many ran
+    and what they sent."""
+    words = _OUTER_WORDS[mode.removeprefix("auto: ")].format(
+        H=sync.get("inner_steps"), lr=float(sync.get("outer_lr") or 1.0), m=float(sync.get("outer_momentum") or 0.0),
+        F=sync.get("fragments"))
+    rows = [("sync", f"{mode}: {words}")]
+    ran = f"{sync.get('outer_steps', 0)}"
+    if sync.get("warmup_steps"):
+        ran += f", after {sync['warmup_steps']} steps synchronized every step"
+    if sync.get("final_sync_at_finish"):
+        ran += ", and one more at finish() (the loop ended before the last step)"
+    rows.append(("outer steps", ran))
+    steps_sending = report.get("steps_sending")
+    if steps_sending is not None:
+        rows.append(("bytes / step that sent", f"{report.get('wire_bytes_per_sending_step', 0.0) / 1e6:.3f} MB "
+                                                f"({steps_sending} of {report['steps']} steps)"))
+    outer_codec = sync.get("codec", "none")
+    rows.append(("compression (steps that sent)", f"{report['compression_ratio']:.1f}x (outer step: {outer_codec})"))
+    return rows
+
+
+def summary_table(report: dict[str, Any]) -> Any:
+    """A rich Table of the headline figures of a report.json dict (:func:`summary_rows`)."""
+    from rich.table import Table
+
+    title, rows = summary_rows(report)
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
     for name, value in rows:
         table.add_row(name, value)
     return table

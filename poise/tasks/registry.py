@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,25 @@ TASKS: dict[str, Callable[[RunConfig], Task]] = {"code-lm": _code_lm, "digits": 
 assert tuple(TASKS) == TASK_NAMES, "config.TASK_NAMES and TASKS must list the same tasks"
 
 
+# What a task imports beyond poise's own dependencies: (module, the package that installs it).
+# poise's ``tasks`` extra installs them all (pyproject.toml).
+NEEDS: dict[str, tuple[str, str]] = {"digits": ("sklearn", "scikit-learn")}
+
+
+def check_installed(name: str) -> None:
+    """Fail in one line, before any worker starts, when task ``name`` needs a package that this
+    environment lacks (poise installs into a user's own environment without its optional extras).
+
+    Raises:
+        ValueError: naming the task, the missing package and how to install it.
+    """
+    if name in NEEDS and importlib.util.find_spec(NEEDS[name][0]) is None:
+        package = NEEDS[name][1]
+        raise ValueError(f"task.name={name!r} needs {package}, which is not installed: pip install {package} "
+                         "(or poise's 'tasks' extra)")
+
+
 def build_task(config: RunConfig) -> Task:
     """Build the configured task (the name was validated by the config)."""
+    check_installed(config.task.name)
     return TASKS[config.task.name](config)

@@ -339,3 +339,16 @@ def test_digits_training_reaches_95_percent() -> None:
         sums = task.eval_sums(model, test_batch)
     assert sums.count == 360
     assert sums.correct / sums.count >= 0.95
+
+
+def test_a_task_whose_package_is_missing_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scikit-learn is an optional extra: ``--task digits`` without it fails before any worker starts,
+    naming the package and how to install it (here a module that does not exist stands for it)."""
+    from poise.tasks import registry
+
+    registry.check_installed("digits")  # installed here
+    monkeypatch.setitem(registry.NEEDS, "digits", ("poise_no_such_module", "scikit-learn"))
+    with pytest.raises(ValueError, match=r"^task.name='digits' needs scikit-learn, which is not installed: "
+                                         r"pip install scikit-learn \(or poise's 'tasks' extra\)$"):
+        registry.check_installed("digits")
+    registry.check_installed("code-lm")  # nothing beyond poise's own dependencies

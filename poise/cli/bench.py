@@ -19,6 +19,7 @@ from poise.bench import (
     faults,
     network,
     outer,
+    packed,
     parallel,
     partition,
     plan,
@@ -30,7 +31,7 @@ from poise.bench import (
 FAMILIES: dict[str, ModuleType] = {
     "scaling": scaling, "balance": balance, "codecs": codecs, "partition": partition, "network": network,
     "checkpoint": checkpoint, "diagnose": diagnose, "faults": faults, "plan": plan,
-    "stragglers": stragglers, "outer": outer, "parallel": parallel, "auto": auto,
+    "stragglers": stragglers, "outer": outer, "parallel": parallel, "auto": auto, "packed": packed,
 }
 # a family whose command runs more than its module's run(): faults with --minutes is the soak
 RUNS = {"faults": soak.run_bench}

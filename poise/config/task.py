@@ -18,6 +18,12 @@ class TaskConfig:
 
     name: str = setting("code-lm", f"task to train: {', '.join(TASK_NAMES)}")
     max_seq_len: int = setting(1024, "code-lm: samples are truncated to this many bytes")
+    packed: bool = setting(
+        False, "code-lm: train on whole documents packed into rows of max_seq_len bytes, attention per document "
+        "(longer documents are cut into pieces of a row); train.batch_size counts rows per rank per step, and "
+        "balance auto/cost/dynamic decides which documents go in which row on which rank (static: rows filled in "
+        "order, equal rows per rank)"
+    )
     d_model: int = setting(128, "code-lm: transformer width")
     num_layers: int = setting(2, "code-lm: transformer blocks")
     num_heads: int = setting(4, "code-lm: attention heads (must divide d_model)")
@@ -40,6 +46,8 @@ class TaskConfig:
             raise ValueError(
                 f"task.d_model={self.d_model} is not divisible by task.num_heads={self.num_heads}"
             )
+        if self.packed and self.name != "code-lm":
+            raise ValueError(f"task.packed=true packs documents of code-lm, not of task {self.name!r}")
         if self.eval_max_samples < 0:
             raise ValueError(f"task.eval_max_samples={self.eval_max_samples} must be >= 0")
 

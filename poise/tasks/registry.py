@@ -32,6 +32,7 @@ def _code_lm(config: RunConfig) -> Task:
         num_heads=t.num_heads,
         cache_dir=_cache_dir(config),
         seed=config.train.seed,
+        packed=t.packed,
     )
 
 

@@ -9,6 +9,10 @@ The strategies of ``--balance`` (see :func:`poise.balance.make_sampler`):
   cost budget with length bucketing, split by padded cost;
 - ``dynamic``: the same sampler, re-planned from measured speeds by the session.
 
+With ``task.packed``, documents packed into rows (:class:`~poise.balance.packed_sampler.PackedBatchSampler`):
+``static`` fills rows in order, equal rows per rank; the others split each step's pieces by
+cost and speed (re-planned under ``auto`` and ``dynamic``).
+
 What is task-specific lives here: the cost model's α (the task's prior unless the config
 sets one) and the step budget of ``--batch-tokens`` (full-length samples of the task's
 ``max_seq_len``). Everything after this is the public :class:`poise.Session`, as in a
@@ -21,6 +25,7 @@ import numpy as np
 import torch.distributed as dist
 
 from poise.balance.costs import AttentionCost
+from poise.balance.packed_sampler import make_packed_sampler
 from poise.balance.sampler import BalancedBatchSampler, make_sampler
 from poise.balance.static_schedule import StaticSchedule
 from poise.config import RunConfig
@@ -69,6 +74,10 @@ def build_sampler(config: RunConfig, task: Task, rank: int, world_size: int) -> 
     """This rank's sampler for ``config.balance.strategy`` over the task's training split."""
     b, t = config.balance, config.train
     batch_size = t.batch_size or (None if t.batch_tokens else task.default_batch_size)
+    if task.row_tokens is not None:  # packed rows: batch_size counts rows per rank
+        return make_packed_sampler(b.strategy, task.train_lengths, rank=rank, world_size=world_size,
+                                   row_tokens=task.row_tokens, batch_size=batch_size, batch_tokens=t.batch_tokens,
+                                   cost_fn=AttentionCost(cost_alpha(config, task)), seed=t.seed)
     if b.strategy == "static":
         return make_sampler("static", task.train_lengths, rank=rank, world_size=world_size, seed=t.seed,
                             batch_size=batch_size, batch_tokens=t.batch_tokens)

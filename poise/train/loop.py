@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from poise import checkpoint
 from poise import config as config_mod
+from poise.balance.packed_sampler import PackedBatchSampler
 from poise.config import RunConfig
 from poise.log import StepProgress, step_progress
 from poise.run.data import Data
@@ -112,10 +113,14 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     model = task.build_model().to(ctx.device)
     freeze(model, tc.frozen_prefixes())
     if config.parallel.sharded:  # FSDP2: each block, then the root (poise/train/shard.py)
+        from poise.train.shard import shard_model  # FSDP2's code: imported for a sharded run only
+
         model = shard_model(model, config.parallel, config.comm, world_size=ctx.world_size,
                             nproc=config.dist.nproc, device=ctx.device)
-    data = Data(sampler=sampler, loss_terms=task.train_targets, seed=tc.seed, accum_steps=tc.accum_steps,
-                total_steps=optimizer_steps, lr_warmup_steps=lr_warmup(tc.warmup_steps, optimizer_steps))
+    # packed rows: the sampler's pieces carry their own loss terms (each piece's tokens but the first)
+    data = Data(sampler=sampler, loss_terms=task.train_targets if task.row_tokens is None else None, seed=tc.seed,
+                accum_steps=tc.accum_steps, total_steps=optimizer_steps,
+                lr_warmup_steps=lr_warmup(tc.warmup_steps, optimizer_steps))
     session = Session(model, data, balance=config.balance, comm=config.comm, straggler=config.straggler,
                       sync=config.sync,
                       emulate=config.emulate, diagnostics=config.diagnostics, metrics=config.metrics,
@@ -403,6 +408,17 @@ def close_outputs(job: Job, pos: Position) -> None:
         job.samples.close()
 
 
+def packing_figures(sampler: object) -> dict | None:
+    """Packed rows' figures for the report (None for padded batches): the row length, the
+    naive packer or poise's, and this rank's seconds spent planning steps (every rank plans
+    every step alike), per step planned."""
+    if not isinstance(sampler, PackedBatchSampler):
+        return None
+    steps = max(sampler.planned_steps, 1)
+    return {"row_tokens": sampler.row_tokens, "packer": "naive" if sampler.naive else "poise",
+            "plan_ms_per_step": 1e3 * sampler.plan_s / steps, "planned_steps": sampler.planned_steps}
+
+
 def finish(job: Job, reached: EvalResult | None) -> dict | None:
     """Evaluate the trained model (unless ``reached`` already did) and write the report; rank 0
     returns it."""
@@ -424,6 +440,7 @@ def finish(job: Job, reached: EvalResult | None) -> dict | None:
         "resumed_from": job.resumed_from,
         "first_step": job.start_step,
         "checkpoints": job.saver.report() if job.saver is not None else None,
+        "packing": packing_figures(session.sampler),
         "config": config_mod.to_dict(config),
     }, loss_scale=job.task.loss_in_unit(1.0), optimizer=job.optimizer)
     if report is not None:

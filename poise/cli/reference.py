@@ -226,6 +226,8 @@ def _flag_row(action: argparse.Action, prog: str) -> str:
         shown = toml_value(_setting_default(action.dest[len(_PREFIX):]))
     elif default is None or default is argparse.SUPPRESS or default is False or action.nargs == 0:
         shown = "-"
+    elif isinstance(default, str) and "," in default and not set(" =") & set(default):  # a list of names
+        shown = ", ".join(code(part) for part in default.split(","))
     else:
         shown = code(repr(default) if default == "" else str(default))
     return f"| {names} | {value} | {shown} | {escape(_help(action, prog))} |"

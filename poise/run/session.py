@@ -157,7 +157,8 @@ class Session:
                             device=parts.collective_device, accum_steps=self.accum_steps,
                             # given loss_terms stand; else a Hugging Face model's labels= are counted
                             labels=install_label_count(parts.sync.model) if self.loss_terms is None else None,
-                            planned_terms=planned_terms(self.loss_terms, self.lengths))
+                            planned_terms=planned_terms(self.loss_terms, self.lengths),
+                            row_tokens=getattr(self.sampler, "row_tokens", None))
         self._loop_step: Step | None = None  # the step a session.steps loop holds open
         # a forgotten finish() is said when the session is dropped (the end of a main()) or at exit
         weakref.finalize(parts.recorder, warn_unfinished, parts.recorder.progress, self.rank)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from poise.balance.packing import row_count
 from poise.run.marks import StepMarks
 from poise.run.terms import LabelCount
 from poise.runtime.clock import Clock
@@ -83,6 +84,8 @@ class StepEnv:
             count replaces them; None: nothing to say.
         items_agreed: whether the ranks agreed, at this session's first backward, on counting
             the terms in hand (``num_items`` or ``labels``) or not.
+        row_tokens: packed rows of this many tokens (``Data(row_tokens=...)``): a batch's padded
+            tokens are its rows'; None: a batch is padded to its longest sample.
     """
 
     sync: Sync
@@ -97,6 +100,7 @@ class StepEnv:
     labels: LabelCount | None = None
     planned_terms: str | None = None
     items_agreed: bool = False
+    row_tokens: int | None = None
     _param_ids: frozenset[int] | None = field(default=None, repr=False)
 
     def param_ids(self) -> frozenset[int]:
@@ -104,6 +108,16 @@ class StepEnv:
         if self._param_ids is None:
             self._param_ids = frozenset(id(p) for p in self.sync.model.parameters())
         return self._param_ids
+
+
+def padded_tokens(lengths: np.ndarray, row_tokens: int | None) -> int:
+    """Tokens a batch of samples of ``lengths`` computes on: its longest times its count, or
+    for packed rows (``row_tokens``) its rows' tokens, the rows filled in order."""
+    if not len(lengths):
+        return 0
+    if row_tokens is None:
+        return int(len(lengths) * lengths.max())
+    return row_count(lengths, row_tokens) * row_tokens
 
 
 class _AccumulatingCheck:
@@ -182,7 +196,7 @@ class Step:
         lengths = env.lengths[self.indices]
         self._marks = StepMarks(index=self.index, start_time_s=time.time(), data_s=data_s, forward=env.clock.mark(),
                                 indices=self.indices, samples=len(lengths), tokens=int(lengths.sum()),
-                                padded_tokens=int(len(lengths) * lengths.max()) if len(lengths) else 0)
+                                padded_tokens=padded_tokens(lengths, env.row_tokens))
         if not self.sync:
             self._accumulating = register_optimizer_step_pre_hook(_AccumulatingCheck(env, self.index))
 
@@ -423,7 +437,7 @@ class DeadlineStep(Step):
         self.empty = self.plan.total_terms == 0
         lengths = self.env.lengths[self.trained]
         m.indices, m.samples, m.tokens = self.trained, len(lengths), int(lengths.sum())
-        m.padded_tokens = int(len(lengths) * lengths.max()) if len(lengths) else 0
+        m.padded_tokens = padded_tokens(lengths, self.env.row_tokens)
         self.loss = self._loss_sum / self._terms if self._loss_sum is not None and self._terms else None
         m.compute_cpu_s, m.compute_wall_s = self.plan.compute_cpu_s, self.plan.compute_wall_s
         self.skipped = self.skipped or self.empty

@@ -148,3 +148,19 @@ def test_a_changed_document_changes_no_other_documents_output():
     h[0, 10:30].sum().backward()  # the second document's outputs
     grad = x.grad.abs().sum(dim=-1)[0]
     assert grad[10:30].sum() > 0 and grad[:10].sum() == 0 and grad[30:].sum() == 0
+
+
+def test_the_piece_view_cuts_documents_of_tensors_lists_and_dicts():
+    """What session.dataloader loads for a packed session: piece i of the documents, whatever
+    the dataset's items are (a Hugging Face example is a dict of equal-length lists)."""
+    from poise.run.packed import PieceView
+
+    pieces = cut_pieces([3, 7], 4)
+    docs = [{"input_ids": list(range(3)), "source": "a"}, {"input_ids": list(range(10, 17)), "source": "b"}]
+    view = PieceView(docs, pieces)
+    assert [view[i]["input_ids"] for i in range(len(view))] == [[0, 1, 2], [10, 11, 12, 13], [14, 15, 16]]
+    assert view[2]["source"] == "b"
+    tensors = PieceView([torch.arange(3), torch.arange(7)], pieces)
+    assert tensors[2].tolist() == [4, 5, 6]
+    with pytest.raises(ValueError, match="cannot be cut into pieces"):
+        PieceView(["abc", "abcdefg"], pieces)[1]

@@ -15,8 +15,10 @@ Both packers train the same pieces in every step and the session weighs each ran
 its share of the step's tokens, so their gradients are the same and so is their eval loss:
 what differs is the time. Per run: the whole run's mean per-step balance and from
 ``--settle-steps`` on (poise measures speeds over its first steps), real tokens per second,
-the eval loss (bits per byte), planning milliseconds per step and their share of the
-median step; per speed setting, poise over naive. The machine's load average is recorded
+the ceiling of the second half's balance (what a perfect plan would reach given how much
+each step's time strayed from its cost model: the machine's noise), the eval loss (bits
+per byte), planning milliseconds per step and their share of the median step; per speed
+setting, poise over naive. The machine's load average is recorded
 before and after (a shared machine's other work slows every run alike, never the plan).
 """
 
@@ -47,6 +49,9 @@ def run_row(name: str, report: dict[str, Any], settle_steps: int) -> dict[str, A
         "rank_speed": report["config"]["emulate"]["rank_speed"] or "equal",
         "balance": report["balance"],
         "balance_settled": float(np.mean(per_step[settle_steps:])) if len(per_step) > settle_steps else None,
+        # what a perfect plan would reach over the run's second half, given how much each step's
+        # time strayed from its cost model on the machine then (its noise)
+        "balance_ceiling": report.get("balance_ceiling_last_half"),
         "tokens_per_s": report["throughput_tokens_per_s"],
         "eval_loss": report["eval_loss"],
         "median_step_ms": step_ms,
@@ -76,15 +81,17 @@ def markdown_table(result: dict[str, Any]) -> str:
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    lines = [f"| run | rank speed | balance | balance from step {result['settle_steps']} | tokens/s | eval bits/byte "
-             "| step ms | planning ms/step | planning / step |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| run | rank speed | balance | balance from step {result['settle_steps']} | ceiling | tokens/s "
+             "| eval bits/byte | step ms | planning ms/step | planning / step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         lines.append(f"| {r['run']} | {r['rank_speed']} | {fmt(r['balance'], '.3f')} | "
-                     f"{fmt(r['balance_settled'], '.3f')} | {fmt(r['tokens_per_s'], ',.0f')} | "
+                     f"{fmt(r['balance_settled'], '.3f')} | {fmt(r.get('balance_ceiling'), '.3f')} | "
+                     f"{fmt(r['tokens_per_s'], ',.0f')} | "
                      f"{fmt(r['eval_loss'], '.3f')} | {fmt(r['median_step_ms'], ',.0f')} | "
                      f"{fmt(r['plan_ms_per_step'], '.2f')} | {fmt(r['plan_share'], '.2%')} |")
     for r in result["ratios"]:
-        lines.append(f"| **{r['run']}** | | **{r['balance']:.2f}x** | | **{r['tokens_per_s']:.2f}x** | "
+        lines.append(f"| **{r['run']}** | | **{r['balance']:.2f}x** | | | **{r['tokens_per_s']:.2f}x** | "
                      f"**{r['eval_loss']:.3f}x** | | | |")
     return "\n".join(lines)
 
@@ -99,6 +106,7 @@ def table(result: dict[str, Any]) -> None:
     show_table(title, result["runs"], [
         ("run", "run", str), ("rank_speed", "rank speed", str), ("balance", "balance", num(".3f")),
         ("balance_settled", f"from step {result['settle_steps']}", num(".3f")),
+        ("balance_ceiling", "ceiling", num(".3f")),
         ("tokens_per_s", "tokens/s", num(",.0f")), ("eval_loss", "eval bits/byte", num(".3f")),
         ("median_step_ms", "step ms", num(",.0f")), ("plan_ms_per_step", "plan ms/step", num(".2f")),
         ("plan_share", "plan / step", num(".2%"))])

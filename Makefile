@@ -13,14 +13,16 @@ extras: $(VENV)/.extras-installed
 
 # torch first, pinned: on these machines it is a CPU wheel on local disk. Installing the package
 # afterwards finds torch already satisfied and never pulls a CUDA build. Then poise with its own
-# dependencies (pyproject.toml's [project] dependencies): all that `poise demo` imports.
+# dependencies (pyproject.toml's [project] dependencies) and two extras: tasks (scikit-learn, for
+# the digits task the benches and the suite train) and kernels (numba, the CPU codecs' fused
+# kernels the demo's compressed run uses). docs/install.md: poise in an environment of your own.
 $(VENV)/.installed: pyproject.toml
 	@echo "[venv 1/3] creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "[venv 2/3] $(TORCH_PIN) first (the CPU wheel; about 20 s on 2 cores)"
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
-	@echo "[venv 3/3] poise and its dependencies: numpy, rich, matplotlib, scikit-learn, numba, prometheus-client (about 20 s)"
-	$(BIN)/python -m pip install --quiet -e .
+	@echo "[venv 3/3] poise, its dependencies (numpy, rich, matplotlib, prometheus-client) and the tasks and kernels extras (scikit-learn, numba; about 20 s)"
+	$(BIN)/python -m pip install --quiet -e '.[tasks,kernels]'
 	touch $@
 
 # what the demo does not need: the tests' tools and linters (dev), the adapters' frameworks

@@ -61,6 +61,12 @@ from poise.comm.reducers import _ALIGN_BYTES, Reducer, _pack, _unpack
 from poise.comm.state import Counters, StepStats
 from poise.runtime.clock import HostClock
 
+# the *_single names are torch >= 2.10's (the older names warn there); torch 2.9, the lowest
+# pyproject declares, has only the older ones, with the same arguments
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 Shapes = list[tuple[int, ...]]
 
 
@@ -224,7 +230,7 @@ class ShardedReduceScatter(ReduceScatter):
         started = comm.probe.on_bucket()
         t0 = time.perf_counter()
         if self.codec is None or not comm.compressing:
-            dist.reduce_scatter_single(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+            _reduce_scatter_single(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
             comm.count(group, raw_bytes=_nbytes(input_tensor), wire_bytes=_nbytes(input_tensor), buckets=1)
         elif self.codec.summable:
             self._summable(self.codec, output_tensor, input_tensor, group)
@@ -253,7 +259,7 @@ class ShardedReduceScatter(ReduceScatter):
         send = torch.cat([p.reshape(-1) for p in payloads])
         recv = torch.empty_like(payloads[me].reshape(-1))
         encode_s = time.perf_counter() - start
-        dist.reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=group)
+        _reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=group)
         t0 = time.perf_counter()
         codec.decode(encoded[me].with_tensors([recv.view(payloads[me].shape)]), out=output)
         if prescale:
@@ -294,7 +300,7 @@ class CountingAllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
         t0 = time.perf_counter()
-        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = _all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         if not async_op:
             self.comm.probe.blocked(time.perf_counter() - t0, gradient=False)
         self.comm.count(group, raw_bytes=_nbytes(input_tensor), wire_bytes=_nbytes(input_tensor))

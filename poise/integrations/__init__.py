@@ -2,9 +2,9 @@
 
 - :mod:`poise.integrations.lightning`: ``PoiseStrategy``, a PyTorch Lightning DDP strategy, and
   ``PoiseFSDPStrategy``, the same over Lightning's FSDP2 ``ModelParallelStrategy``
-  (``pip install 'poise[lightning]'``);
+  (poise's ``lightning`` extra);
 - :mod:`poise.integrations.accelerate`: ``attach(accelerator, model, ...)``, a session bound
-  to a Hugging Face Accelerate ``Accelerator``, on DDP or FSDP2 (``pip install 'poise[accelerate]'``).
+  to a Hugging Face Accelerate ``Accelerator``, on DDP or FSDP2 (poise's ``accelerate`` extra).
 
 Nothing is imported here: importing poise never needs either framework, and importing an
 adapter without its framework fails with one line naming the extra to install.

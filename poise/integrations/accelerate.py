@@ -68,7 +68,8 @@ try:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 except ImportError:
-    raise ImportError("poise.integrations.accelerate needs accelerate: pip install 'poise[accelerate]'") from None
+    raise ImportError("poise.integrations.accelerate needs accelerate: pip install accelerate==1.15.0 "
+                      "(poise's 'accelerate' extra)") from None
 
 from poise.run.session import Session
 

@@ -55,7 +55,8 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
     from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 except ImportError:
-    raise ImportError("poise.integrations.lightning needs lightning: pip install 'poise[lightning]'") from None
+    raise ImportError("poise.integrations.lightning needs lightning: pip install lightning==2.6.6 "
+                      "(poise's 'lightning' extra)") from None
 
 from poise.comm import builder as comm_builder
 from poise.config import CommConfig

@@ -64,8 +64,8 @@ def load_torchft() -> Any:
         from torchft import local_sgd, manager, process_group
         from torchft._torchft import LighthouseServer
     except ImportError as exc:
-        raise ValueError(f"sync.mode='torchft-diloco' needs torchft 0.2.0 (pip install 'poise[bench]'): "
-                         f"import failed: {type(exc).__name__}: {exc}") from None
+        raise ValueError("sync.mode='torchft-diloco' needs torchft 0.2.0 (pip install torchft==0.2.0, poise's 'bench' "
+                         f"extra): import failed: {type(exc).__name__}: {exc}") from None
     logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning per quorum about NCCL's flight recorder
     return local_sgd, manager, process_group, LighthouseServer
 

@@ -508,9 +508,11 @@ def test_sign_numba_kernels_match_the_numpy_path_on_nonfinite_entries(numba_kern
 
 
 def test_int8_and_sign_work_without_numba():
-    """With numba missing (an import that fails), the codecs take their numpy/torch paths."""
+    """With numba missing (an import that fails), the codecs take their numpy/torch paths, and
+    the first codec call says so in one log line, once per process."""
     script = (
         "import sys; sys.modules['numba'] = None\n"
+        "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
         "import torch\n"
         "from poise.comm import codecs\n"
         "from poise.comm.codecs import kernels\n"
@@ -524,6 +526,9 @@ def test_int8_and_sign_work_without_numba():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("CPU codecs:")]
+    assert said == ["CPU codecs: numpy/torch paths, numba is not installed (pip install numba, or poise's "
+                    "'kernels' extra, for the fused kernels)"], done.stderr
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 1000, 70_001, 300_007])

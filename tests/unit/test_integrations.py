@@ -25,7 +25,9 @@ def test_an_adapter_without_its_framework_says_what_to_install(adapter):
     proc = _python(f"import sys; sys.modules[{adapter!r}] = None; import poise.integrations.{adapter}")
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == f"ImportError: poise.integrations.{adapter} needs {adapter}: pip install 'poise[{adapter}]'"
+    version = {"lightning": "2.6.6", "accelerate": "1.15.0"}[adapter]  # pyproject's extras pin them
+    assert last == (f"ImportError: poise.integrations.{adapter} needs {adapter}: pip install {adapter}=={version} "
+                    f"(poise's '{adapter}' extra)")
 
 
 def test_attach_refuses_a_single_process_accelerator():

@@ -24,12 +24,15 @@ The kernels compile on first use, all at once: about 2 s (2 cores) the first tim
 machine; ``cache=True`` keeps the machine code on disk (``__pycache__``), and later processes
 load it in about 1.3 s, mostly numba's own start-up. They release the GIL (``nogil=True``), and the wrappers share a
 tensor out over torch's threads with :func:`poise.comm.codecs.base.parallel_blocks`; numba's
-threading layer is not used, so it never competes with torch's OpenMP pool. Without numba,
-or with ``POISE_NUMBA=0``, ``AVAILABLE`` is False and the codecs take their numpy/torch paths.
+threading layer is not used, so it never competes with torch's OpenMP pool. numba is optional
+(poise's ``kernels`` extra; ``make venv`` installs it): without it, or with ``POISE_NUMBA=0``,
+``AVAILABLE`` is False and the codecs take their numpy/torch paths, which :func:`enabled` logs
+once per process.
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import threading
 from typing import Any
@@ -54,8 +57,11 @@ _MAGIC = np.float32(12582912.0)
 _ONE = np.float32(1.0)
 _Q_MAX = np.float32(127.0)
 
+log = logging.getLogger(__name__)
+
 _warm_lock = threading.Lock()
 _warm = False
+_said = False  # whether enabled() has logged the path taken (once per process)
 # numba's intrinsics the kernels call, set by warm() (the kernels only run compiled)
 _negative_mask16: Any = None
 _store_signed16: Any = None
@@ -303,8 +309,25 @@ _KERNELS = {
 
 def enabled() -> bool:
     """Whether the codecs should call these kernels: numba is there, not switched off, and the
-    kernels are compiled (the first call compiles them: see :func:`warm`)."""
-    return AVAILABLE and (_warm or warm())
+    kernels are compiled (the first call compiles them: see :func:`warm`). The first call logs
+    which path the CPU codecs take, once per process: a user whose environment lacks numba
+    (an optional dependency, ``poise[kernels]``) learns why the codecs run slower."""
+    global _said
+    ready = AVAILABLE and (_warm or warm())
+    if not _said:
+        _said = True
+        log.info("%s", describe(ready))
+    return ready
+
+
+def describe(ready: bool) -> str:
+    """One line: the path the CPU codecs take (int8, sign, top-k) and why."""
+    if ready:
+        return "CPU codecs: numba's fused kernels (POISE_NUMBA=0 turns them off)"
+    if os.environ.get("POISE_NUMBA", "1") == "0":
+        return "CPU codecs: numpy/torch paths (POISE_NUMBA=0)"
+    return ("CPU codecs: numpy/torch paths, numba is not installed (pip install numba, or poise's 'kernels' "
+            "extra, for the fused kernels)")
 
 
 def warm() -> bool:
@@ -323,7 +346,7 @@ def warm() -> bool:
         try:
             from numba import njit
             from numba.cpython.unsafe.numbers import trailing_zeros
-        except ImportError:  # pragma: no cover - numba is a declared dependency
+        except ImportError:  # pragma: no cover - numba is found but does not import
             AVAILABLE = False
             return False
         names = globals()

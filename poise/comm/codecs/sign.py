@@ -24,7 +24,8 @@ The payload bits are the same; the scale may differ from sasum's float32 sum in 
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import functools
+from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -41,16 +42,25 @@ _BITS = torch.tensor(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
 # Rows of 8 entries per index_select call when decoding (8 MiB of output): measured fastest here.
 _DECODE_ROWS = 1 << 18
-try:  # scipy comes with scikit-learn; without it the L1 norm takes the slower numpy path
-    from scipy.linalg.blas import sasum as _sasum
-except ImportError:  # pragma: no cover
-    _sasum = None
+
+
+@functools.cache
+def _sasum() -> Callable[[np.ndarray], float] | None:
+    """scipy's BLAS sasum, looked up at the first encode, not at import: importing scipy takes
+    about 0.5 s (2 cores) in every process that imports the codecs, and most never encode signs.
+    scipy comes with scikit-learn (poise's tasks extra); without it the L1 norm takes numpy's path."""
+    try:
+        from scipy.linalg.blas import sasum
+    except ImportError:  # pragma: no cover
+        return None
+    return sasum
 
 
 def _block_l1(x: np.ndarray) -> float:
     """``sum(|x|)`` of a float32 block in one read-only pass (BLAS sasum where scipy is there)."""
-    if _sasum is not None:
-        return float(_sasum(x))
+    sasum = _sasum()
+    if sasum is not None:
+        return float(sasum(x))
     return float(np.abs(x).sum(dtype=np.float64))
 
 

@@ -249,6 +249,26 @@ def credit_line(rows: Sequence[dict[str, Any]]) -> str:
             f"further {bucketing:.2f}x, {total:.2f}x in all")
 
 
+def markdown_table(results: dict[str, Any]) -> str:
+    """The comparison table of a ``demo.json`` (its ``runs`` and ``ratios``) as the README and the
+    docs quote it: each comparison's runs, then its ratio rows in bold. Pages quote this text
+    whole, so that a figure can only change with the file it comes from
+    (tests/unit/test_docs_figures.py)."""
+    lines = ["| comparison | run | " + " | ".join(header for _, header, _ in METRICS) + " |",
+             "|" + "---|" * (2 + len(METRICS))]
+    for comparison in dict.fromkeys(r["comparison"] for r in results["runs"]):
+        for row in results["runs"]:
+            if row["comparison"] == comparison:
+                title = row["title"] if row["role"] == "baseline" else ""
+                cells = [fmt(row[key]) for key, _, fmt in METRICS]
+                lines.append(f"|{' ' + title if title else ''} | {row['run']} | " + " | ".join(cells) + " |")
+        for row in results["ratios"]:
+            if row["comparison"] == comparison:
+                cells = ["-" if row[key] is None else f"**{row[key]:.2f}x**" for key, _, _ in METRICS]
+                lines.append(f"| | **{row['run']}** | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def show_comparison(console: Any, rows: Sequence[dict[str, Any]]) -> None:
     """The comparison table: one row per run, then each comparison's ratio rows."""
     from rich.table import Table

@@ -36,4 +36,4 @@ if not any(isinstance(finder, FormerModules) for finder in sys.meta_path):
 
 __all__ = ["BalanceConfig", "CommConfig", "Data", "DeadlineStep", "DiagnosticsConfig", "EmulateConfig",
            "MetricsConfig", "RunConfig", "Session", "Step", "StragglerConfig", "SyncConfig"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # pyproject.toml's version: the release CHANGELOG.md prepares

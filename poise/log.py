@@ -11,10 +11,11 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+if TYPE_CHECKING:  # rich is imported where it draws: a worker that draws nothing never loads it
+    from rich.console import Console
+    from rich.progress import Progress
 
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -66,6 +67,8 @@ class StepProgress:
 def make_console(stderr: bool = False, width: int = 200) -> Console:
     """A rich console; when output is not a terminal (a file, CI), tables get ``width`` columns
     instead of rich's default 80, so they are not cut."""
+    from rich.console import Console
+
     console = Console(stderr=stderr)
     return console if console.is_terminal else Console(stderr=stderr, width=width)
 
@@ -73,8 +76,14 @@ def make_console(stderr: bool = False, width: int = 200) -> Console:
 @contextmanager
 def step_progress(enabled: bool, total: int) -> Iterator[StepProgress]:
     """Context manager yielding a :class:`StepProgress`; draws only when ``enabled`` on a TTY."""
+    if not enabled:
+        yield StepProgress(None, total)
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     console = Console(stderr=True)
-    if not enabled or not console.is_terminal:
+    if not console.is_terminal:
         yield StepProgress(None, total)
         return
     columns = (

@@ -30,10 +30,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 
+from poise.runtime.fsdp import is_fsdp_module
+
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is sharded with FSDP2 (its root went through ``fully_shard``)."""
-    return isinstance(model, FSDPModule)
+    return is_fsdp_module(model)
 
 
 def reshard(model: nn.Module) -> None:

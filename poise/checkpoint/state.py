@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from poise import config as config_mod
-from poise.checkpoint import sharded
 from poise.config import RunConfig
+from poise.runtime.fsdp import is_fsdp_module
 
 
 class SessionState(Protocol):
@@ -356,7 +356,9 @@ def capture(
     ``in_window``: the step boundary falls inside a gradient-accumulation window, so the
     gradients accumulated so far are part of the state.
     """
-    if sharded.is_sharded(model):
+    if is_fsdp_module(model):
+        from poise.checkpoint import sharded  # FSDP2's state API: imported for a sharded model only
+
         if in_window:
             raise ValueError(f"step {step} is inside a gradient-accumulation window: FSDP2 holds the gradients "
                              "accumulated so far unsharded, so a sharded model is saved at a window's end")
@@ -413,7 +415,9 @@ def restore(
     own = state.per_rank.get("optim") if state.per_rank else None
     if own is not None:  # outer-step sync: this rank's own optimizer state, not rank 0's
         per_param = own["state"]
-    if sharded.is_sharded(model):  # every rank keeps its shard of the full tensors
+    if is_fsdp_module(model):  # every rank keeps its shard of the full tensors
+        from poise.checkpoint import sharded
+
         sharded.load_full_state(model, optimizer, model_state, per_param, state.shared["optim_groups"])
     else:
         model.load_state_dict(model_state, strict=True)

@@ -5,7 +5,9 @@ field's help text; the everyday ones also have short aliases (``--lr``), and set
 moved keep their former flags (``--balance.rank_speed`` is ``--emulate.rank_speed``). Flags
 are only recorded when given, so precedence stays defaults < config file < flags. The names a
 codec or collective setting allows are the comm registry's: listed in the help from it, and
-checked by it in :func:`resolve`.
+checked by it in :func:`resolve`. The registry is read from the codecs themselves, which import
+torch (about 2 s): it is imported when the help is printed or a resolved config is checked, so
+a bad flag or setting is refused without it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import dataclasses
 from typing import Any
 
 from poise import config as cfg
-from poise.comm import registry
 
 # Short flags for the settings users touch most; each maps to a dotted config key.
 ALIASES = {
@@ -73,26 +74,48 @@ _PREFIX = "config:"
 _PAIR_PREFIX = "pair:"
 
 
+# The settings whose names a registry holds; their help ends with the names allowed.
+NAMED = ("comm.codec", "comm.collective", "checkpoint.delta_codec")
+
+
 def _allowed_names() -> dict[str, tuple[str, ...]]:
     """Dotted key -> the names it allows, for the settings whose names a registry holds."""
+    from poise.comm import registry
+
     return {"comm.codec": tuple(registry.CODECS), "comm.collective": tuple(registry.COLLECTIVES),
             "checkpoint.delta_codec": registry.delta_codec_names()}
+
+
+class _Allowed:
+    """A setting's allowed names, as its help's ``%(allowed)s`` (argparse expands a help from
+    the action's attributes when it prints it): read from the registry then, not at start-up."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __str__(self) -> str:
+        return ", ".join(_allowed_names()[self.key])
+
+
+def _add(container: Any, *names: str, key: str, **kwargs: Any) -> None:
+    """``container.add_argument(*names, **kwargs)``, whose help may name ``key``'s allowed names."""
+    action = container.add_argument(*names, **kwargs)
+    if key in NAMED:
+        action.allowed = _Allowed(key)
 
 
 def _fields() -> dict[str, tuple[Any, str]]:
     """Dotted key -> (type, help) for every config field (help escaped for argparse's %-formatting)."""
     out: dict[str, tuple[Any, str]] = {}
     top = cfg.field_types(cfg.RunConfig)
-    names = _allowed_names()
     for f in dataclasses.fields(cfg.RunConfig):
         if f.name in cfg.SECTIONS:
             section = cfg.SECTIONS[f.name]
             types_ = cfg.field_types(section)
             for sf in dataclasses.fields(section):
                 key, help_ = f"{f.name}.{sf.name}", sf.metadata.get("help", "")
-                if key in names:
-                    help_ += f"; allowed: {', '.join(names[key])}"
-                out[key] = (types_[sf.name], help_.replace("%", "%%"))
+                allowed = "; allowed: %(allowed)s" if key in NAMED else ""  # (see _Allowed)
+                out[key] = (types_[sf.name], help_.replace("%", "%%") + allowed)
         else:
             out[f.name] = (top[f.name], f.metadata.get("help", "").replace("%", "%%"))
     return out
@@ -113,9 +136,8 @@ def add_config_flags(parser: argparse.ArgumentParser, extra_aliases: dict[str, s
     parser.add_argument("--config", metavar="FILE", help="TOML config file (flags override it)")
     fields = _fields()
     for flag, key in {**ALIASES, **(extra_aliases or {})}.items():
-        parser.add_argument(flag, dest=_PREFIX + key, default=argparse.SUPPRESS,
-                            metavar=METAVARS.get(flag, value_name(fields[key][0])),
-                            help=f"{fields[key][1]} (= --{key})")
+        _add(parser, flag, key=key, dest=_PREFIX + key, default=argparse.SUPPRESS,
+             metavar=METAVARS.get(flag, value_name(fields[key][0])), help=f"{fields[key][1]} (= --{key})")
     for flag, key in SWITCHES.items():
         negated = "--no-" + flag.removeprefix("--")
         parser.add_argument(flag, dest=_PREFIX + key, action="store_const", const="true", default=argparse.SUPPRESS,
@@ -128,8 +150,8 @@ def add_config_flags(parser: argparse.ArgumentParser, extra_aliases: dict[str, s
                             help=f"{help_} (= --{first} {a} --{second} {b})")
     group = parser.add_argument_group("every setting")
     for key, (kind, help_) in fields.items():
-        group.add_argument(f"--{key}", dest=_PREFIX + key, default=argparse.SUPPRESS, metavar=value_name(kind),
-                           help=help_)
+        _add(group, f"--{key}", key=key, dest=_PREFIX + key, default=argparse.SUPPRESS, metavar=value_name(kind),
+             help=help_)
     for name, former in cfg.FORMER_SECTIONS.items():  # the former spellings, still accepted (not listed)
         parser.add_argument(f"--{former}.{name}", dest=f"{_PREFIX}emulate.{name}", default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)
@@ -166,5 +188,7 @@ def resolve(args: argparse.Namespace, defaults: dict[str, Any] | None = None) ->
     for layer in layers:  # each read into today's keys first, so that a flag beats a file's former key
         merged = cfg.merge(merged, cfg.current_layout(layer))
     config = cfg.from_dict(merged)
+    from poise.comm import registry  # after the config's own checks: it imports torch (see module doc)
+
     registry.check(config.comm, config.checkpoint)
     return config

@@ -25,8 +25,6 @@ from typing import Any
 
 from poise import config as cfg
 from poise.cli.flags import add_config_flags, resolve
-from poise.launch import cluster_job
-from poise.launch.job import launch_job
 from poise.log import make_console
 from poise.runtime.launcher import WORKERS_LOCK
 
@@ -168,6 +166,8 @@ def record_config(args: argparse.Namespace,
         known = nodes.isdigit() and not config.cluster.enabled
         load_replans(config.balance.replay, config.dist.nproc * int(nodes) if known else None)
     if config.cluster.enabled:
+        from poise.launch import cluster_job  # (torch: imported once the flags and settings are checked)
+
         if config.cluster.name:
             # An existing cluster's shape and link fill in what the file and flags leave open.
             config = resolve(args, cluster_job.cluster_defaults(config.cluster.name))
@@ -208,6 +208,8 @@ def record_config(args: argparse.Namespace,
 
 def run(args: argparse.Namespace) -> int:
     config, config_path = record_config(args, check_parallel)
+    from poise.launch.job import launch_job  # torch's launcher: imported once the config is recorded
+
     out = Path(config.out_dir)
     code = launch_job(config, config_path)
     remove_unfinished_saves(config)

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from poise.balance.metrics import balance
 from poise.config import MetricsConfig
 from poise.diagnostics.timeline import column, elapsed_s, on_cpu_share
+
+if TYPE_CHECKING:  # prometheus_client is imported by an exporter: a job without one never loads it
+    from prometheus_client import CollectorRegistry, Counter, Gauge
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class MetricsExporter:
     """
 
     def __init__(self, world_size: int, registry: CollectorRegistry | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.world_size = world_size
         self.port: int | None = None
@@ -156,6 +160,8 @@ class MetricsExporter:
         Raises:
             ValueError: one line when the address cannot be bound (in use, not this host's).
         """
+        from prometheus_client import start_http_server
+
         try:
             server, _thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:

@@ -11,13 +11,12 @@ calls it once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from poise.balance import BalancedBatchSampler
@@ -44,7 +43,11 @@ from poise.run.data import Data, Sampler, plan_sampler
 from poise.run.record import Recorder
 from poise.runtime import memory
 from poise.runtime.clock import Clock, clock_for
-from poise.sync import AllReduce, Deadline, Outer, Sharded, Sync, TorchftDiLoCo, TorchLocalSGD
+from poise.runtime.fsdp import is_fsdp_module
+from poise.sync import AllReduce, Deadline, Outer, Sync, TorchftDiLoCo, TorchLocalSGD
+
+if TYPE_CHECKING:
+    from poise.sync.sharded import Sharded
 
 
 @dataclass
@@ -87,7 +90,7 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
                          "twice the learning-rate warm-up, so give Data(total_steps=...) (optimizer steps; and "
                          "lr_warmup_steps=...), or CommConfig(start_step=N) to say when yourself")
     deadline = straggler.enabled or bool(emulate.delay)
-    if isinstance(model, FSDPModule):
+    if is_fsdp_module(model):
         _check_sharded(sync_config, straggler, emulate)
     _check_model(model)
     if sync_config.outer and (deadline or comm.local_first):
@@ -127,7 +130,9 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
                               "outer": [emulation.slowdown.wrap_hook]}
     sync: AllReduce | Deadline | Outer | Sharded | TorchLocalSGD | TorchftDiLoCo
     baselines = {"torch-localsgd": TorchLocalSGD, "torchft-diloco": TorchftDiLoCo}  # other libraries', to compare
-    if isinstance(model, FSDPModule):
+    if is_fsdp_module(model):
+        from poise.sync.sharded import Sharded  # FSDP2's code: imported for a sharded model only (runtime/fsdp.py)
+
         emulation.slowdown.by_cpu = True  # its forward and backward wait in collectives: stretch compute only
         sync = Sharded(model, comm, clock=clock, backend=backend, compression_start=start,
                        before_reduce=[emulation.slowdown.stretch] if emulation.slowdown.sleeps else [])
@@ -165,9 +170,9 @@ def _check_model(model: nn.Module) -> None:
     torch's ``aten.cat ... mixed torch.Tensor and DTensor``), and a DDP model that already has
     a communication hook (a second ``attach``/``Session`` on it: torch's ``register_comm_hook
     can only be called once``)."""
-    if not isinstance(model, FSDPModule):
+    if not is_fsdp_module(model):
         inner = model.module if isinstance(model, DistributedDataParallel) else model
-        sharded = [name for name, m in inner.named_modules() if isinstance(m, FSDPModule)]
+        sharded = [name for name, m in inner.named_modules() if is_fsdp_module(m)]
         if sharded:
             raise ValueError(f"the model's submodule(s) {', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''} "
                              "are sharded with fully_shard but the model itself is not: call fully_shard(model) on "

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from poise.runtime.dist import DistContext
+from poise.runtime.fsdp import is_fsdp_module
 from poise.tasks.base import Task
 
 
@@ -51,7 +51,7 @@ def evaluate(model: nn.Module, task: Task, ctx: DistContext, *, max_samples: int
     subset = eval_indices(len(task.eval_set), max_samples)
     mine = subset[ctx.rank :: ctx.world_size]
     forwards = math.ceil(len(mine) / batch_size)
-    if isinstance(model, FSDPModule):
+    if is_fsdp_module(model):
         forwards = math.ceil(math.ceil(len(subset) / ctx.world_size) / batch_size)  # rank 0's: the most
     sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     was_training = model.training

@@ -48,7 +48,6 @@ from poise.train.recipe import (
     seed_everything,
 )
 from poise.train.samples import SampleLog
-from poise.train.shard import shard_model
 
 if TYPE_CHECKING:
     from poise.run.step import DeadlineStep

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from poise.comm import registry
 from poise.config import RunConfig
+from poise.runtime.fsdp import is_dtensor
 from poise.tasks.base import Task
 from poise.train.optim import AdamW
 
@@ -112,10 +112,10 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     rank's gradients are shards (DTensors), their norm a partial one until it is reduced over
     the shards (``full_tensor``, a collective), and every rank clips by that whole norm."""
     params = [p for p in model.parameters() if p.grad is not None]
-    if not any(isinstance(p, DTensor) for p in params):
+    if not any(is_dtensor(p) for p in params):
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(norm, DTensor):
+    if is_dtensor(norm):
         norm = norm.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm

@@ -131,7 +131,13 @@ CHECKED: list[tuple[str, str]] = [
     (r"^make test$", "the whole test suite, of which this test is a part"),
     (r"--rdzv-endpoint (host0|10\.0\.0\.1):", "a job across real machines: it waits for the other one to join "
                                               "(tests/cluster runs multi-node jobs on the emulated cluster)"),
-    (r"^poise cluster down --all", "removes every poise cluster on the machine, other jobs' included"),
+    (r"^(sudo \S*poise|poise) cluster down --all", "removes every poise cluster on the machine, other jobs' "
+                                                   "included"),
+    (r"^(python -m )?pip (install|wheel) ", "installs into the environment that runs this test: the extras it "
+                                           "names are checked against pyproject.toml"),
+    (r"^make venv$", "creates .venv, the environment this test runs in (make test makes it first)"),
+    (r"^\. \.venv/bin/activate$", "activates .venv: this test already runs with its bin first on PATH"),
+    (r"^srun torchrun ", "a SLURM job step across machines: torchrun's arguments are parsed by torch's own parser"),
     (r"^poise bench balance", f"six jobs of 150 steps; {COVERED}"),
     (r"^poise bench stragglers", "2 x 4 delay models x 3 seeds, many minutes; "
                                  "tests/e2e/test_bench_stragglers.py runs it at CI size"),
@@ -155,7 +161,7 @@ CHECKED: list[tuple[str, str]] = [
                            "tests/unit/test_bench_auto.py checks its arguments, recovery and table"),
 ]
 # commands that need root, ip and tc: run where those are, checked elsewhere
-NEEDS_CLUSTER = [r"^poise cluster ", r"--cluster \d", r"^sudo "]
+NEEDS_CLUSTER = [r"^(sudo \S*poise|poise) cluster ", r"--cluster \d", r"^sudo "]
 # (pattern, the smaller command run instead, why): it makes what a later command of its page reads
 VARIANTS: list[tuple[str, str, str]] = [
     (r"^poise bench codecs .*--out runs/bench-codecs",
@@ -199,9 +205,23 @@ def _demo_shows_the_comparison(result: subprocess.CompletedProcess[str], workspa
         assert (run_dir / "report.json").is_file() and (run_dir / "trace.json").is_file(), run_dir
 
 
+def _gpu_example_runs_where_it_is(result: subprocess.CompletedProcess[str], workspace: Path) -> None:
+    """``examples/poise_gpu.py`` (docs/gpu.md) picked the device and backend this machine has, trained
+    and wrote its report there."""
+    import json
+
+    import torch
+
+    where = "cuda:0 (nccl)" if torch.cuda.is_available() else "cpu (gloo)"
+    assert re.search(rf"^step 1 loss \d+\.\d+ on {re.escape(where)}$", result.stdout, re.M), result.stdout
+    report = json.loads((workspace / "runs" / "gpu-example" / "report.json").read_text())
+    assert report["backend"] == where.split("(")[1].rstrip(")") and report["world_size"] == 2, report["backend"]
+
+
 # pattern -> check of the result and the page's workspace, after the command exited 0
 EXPECT: dict[str, Callable[[subprocess.CompletedProcess[str], Path], None]] = {
     r"^make demo$": _demo_shows_the_comparison,
+    r"examples/poise_gpu\.py --steps \d+ --out runs/gpu-example$": _gpu_example_runs_where_it_is,
 }
 
 
@@ -468,8 +488,11 @@ def check_arguments(text: str) -> None:
     from poise.cli.flags import resolve
 
     words = shlex.split(re.sub(r"^sudo ", "", text))
-    if words[:2] == ["make", "test"]:
-        assert makefile_recipe("test")
+    if words[0] == "make":  # a target of the Makefile
+        assert re.search(rf"^{re.escape(words[1])}:", (ROOT / "Makefile").read_text(), re.M), text
+        return
+    if words[0] in ("python", "pip", ".", "srun", "torchrun"):
+        check_other_tool(words, text)
         return
     assert re.fullmatch(r"(\S*/)?poise", words[0]), f"only poise commands can be checked without running: {text}"
     parser = cli.build_parser()
@@ -482,6 +505,34 @@ def check_arguments(text: str) -> None:
     forwarded = getattr(args, "train_args", None)
     if args.command == "bench" and forwarded:
         resolve(parser.parse_args(["train", *forwarded]))
+
+
+def check_other_tool(words: list[str], text: str) -> None:
+    """A command of another tool, checked without running it: pip's extras exist in pyproject.toml,
+    the activated environment is the Makefile's, and torchrun's arguments (under ``srun``, after
+    its options) parse with torch's own parser and name a script of this repository."""
+    import tomllib
+
+    if words[0] == ".":
+        venv = re.search(r"^VENV := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+        assert venv and words[1:] == [f"{venv[1]}/bin/activate"], text
+        return
+    if words[0] in ("python", "pip"):
+        extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        for word in words:
+            for named in re.findall(r"\[([\w,-]+)\]$", word):
+                unknown = set(named.split(",")) - set(extras)
+                assert not unknown, f"{text}: no such extra in pyproject.toml: {sorted(unknown)}"
+        return
+    if words[0] == "srun":
+        words = words[words.index("torchrun"):]
+    from torch.distributed.run import get_args_parser
+
+    try:
+        args = get_args_parser().parse_args(words[1:])
+    except SystemExit as exc:
+        raise AssertionError(f"torchrun rejects the arguments of {text!r} (exit {exc.code})") from None
+    assert (ROOT / args.training_script).is_file(), f"{text}: no script {args.training_script}"
 
 
 def _id(c: Command) -> str:
@@ -564,7 +615,8 @@ def test_links_between_pages_resolve() -> None:
 @pytest.mark.timeout(60)
 def test_without_a_cluster_its_commands_are_checked_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys.modules[__name__], "cluster_support", lambda: "poise cluster needs root")
-    cluster = [c for c in all_commands() if re.search(r"^poise cluster (up|check)|--cluster \d", c.bare)]
+    cluster = [c for c in all_commands() if re.search(r"^(sudo \S*poise|poise) cluster (up|check)|--cluster \d",
+                                                         c.bare)]
     assert cluster
     for c in cluster:
         p = plan(c)

@@ -164,3 +164,15 @@ def test_the_piece_view_cuts_documents_of_tensors_lists_and_dicts():
     assert tensors[2].tolist() == [4, 5, 6]
     with pytest.raises(ValueError, match="cannot be cut into pieces"):
         PieceView(["abc", "abcdefg"], pieces)[1]
+
+
+def test_an_epoch_resumed_on_another_number_of_ranks_trains_the_rest_once():
+    kw = {"row_tokens": ROW, "batch_size": 4, "cost_fn": COST, "seed": 5}
+    two = make_packed_sampler("auto", DOCS, rank=0, world_size=2, **kw)
+    done = [int(p) for j in range(6) for b in two.global_batches(j) for p in b]
+    two.position = 6
+    three = make_packed_sampler("auto", DOCS, rank=0, world_size=3, **kw)
+    three.load_state_dict(two.state_dict())
+    three.set_epoch(0)
+    rest = [int(p) for j in range(len(three)) for b in three.global_batches(j) for p in b]
+    assert sorted(done + rest) == list(range(len(three.lengths)))

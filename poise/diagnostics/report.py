@@ -293,8 +293,8 @@ def _per_sending_step(wire: np.ndarray) -> float:
 # how each outer mode synchronizes, for the summary (the report's ``sync`` dict fills it in)
 _OUTER_WORDS = {
     "local_sgd": "parameters averaged every {H} steps (H)",
-    "diloco": "an outer step every {H} steps (H): Nesterov SGD on the averaged change, lr {lr:g}, momentum {m:g}",
-    "streaming": "{F} fragments in turn, each every {H} steps (H): Nesterov SGD, lr {lr:g}, momentum {m:g}",
+    "diloco": "outer Nesterov SGD every {H} steps (H), lr {lr:g}, momentum {m:g}",
+    "streaming": "{F} fragments, each every {H} steps (H); outer Nesterov SGD, lr {lr:g}, momentum {m:g}",
     "torch-localsgd": "torch's post-local SGD: parameters averaged every {H} steps (H)",
     "torchft-diloco": "torchft's DiLoCo: an outer step every {H} steps (H)",
 }

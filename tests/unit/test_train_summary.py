@@ -38,8 +38,7 @@ def test_an_outer_run_names_its_synchronization_its_outer_steps_and_their_bytes(
     title, rows = summary_rows(report)
     assert title == "poise train: code-lm on 2 ranks; balance auto, codec none, sync diloco (H=5)"
     values = dict(rows)
-    assert values["sync"] == ("diloco: an outer step every 5 steps (H): Nesterov SGD on the averaged change, "
-                              "lr 0.7, momentum 0.9")
+    assert values["sync"] == "diloco: outer Nesterov SGD every 5 steps (H), lr 0.7, momentum 0.9"
     assert values["outer steps"] == "4"
     # the median step sends nothing: the mean over steps 1..19 (the first is left out) is what counts
     assert values["bytes communicated / step (mean)"] == f"{OUTER_BYTES * 4 / 19 / 1e6:.3f} MB"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,9 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_poise(*args: str, timeout_s: float = 240.0, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the ``poise`` CLI in a subprocess (bounded), capturing its output.
+    """Run the ``poise`` CLI (bounded), capturing its output, as ``python -m poise ARGS`` would:
+    in a process forked from the tests' warm server (:func:`tests.harness.run_cli`), so that a job
+    does not pay the command's interpreter start and imports.
 
     A ``train`` job that names no ``--balance`` runs ``static``: these tests check resumes,
     checkpoints, codecs and the launcher on plain DDP's split, which does not depend on what a
@@ -28,5 +29,6 @@ def run_poise(*args: str, timeout_s: float = 240.0, cwd: Path | None = None) -> 
     if args and args[0] == "train" and "--balance" not in args:
         args = (*args, "--balance", "static")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "poise", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=cwd or ROOT, env=env)
+    from tests.harness import run_cli
+
+    return run_cli(list(args), cwd=cwd or ROOT, env=env, timeout_s=timeout_s)

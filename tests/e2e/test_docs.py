@@ -45,6 +45,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.harness import run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -159,6 +160,10 @@ CHECKED: list[tuple[str, str]] = [
                                            "tests/cluster/test_bench_plan.py runs it at CI size"),
     (r"^poise bench auto", "5 scenarios x 4 runs x 3 seeds of 150 steps, about an hour; "
                            "tests/unit/test_bench_auto.py checks its arguments, recovery and table"),
+    (r"^poise train --task.packed true", "a 100-step packed job of 2,048-byte rows, minutes; tests/dist/test_packed.py "
+                                         "trains packed rows through a session, tests/unit/test_packing.py the model"),
+    (r"^poise bench packed", "four 40-step packed jobs of 2,048-byte rows, about 20 minutes; "
+                             "tests/unit/test_bench_packed.py checks its table against docs/results/packed.json"),
 ]
 # commands that need root, ip and tc: run where those are, checked elsewhere
 NEEDS_CLUSTER = [r"^(sudo \S*poise|poise) cluster ", r"--cluster \d", r"^sudo "]
@@ -434,8 +439,7 @@ class Runner:
                 if failed:
                     future.set_exception(EarlierCommandFailed(failed))
                     continue
-                done = subprocess.run(["bash", "-c", plan(c).run_text], cwd=path, env=self.env,
-                                      capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+                done = run_text(plan(c).run_text, path, self.env)
                 future.set_result(done)
                 if done.returncode != 0:
                     failed = (f"an earlier command of {page} failed ({c.where}: {c.bare.splitlines()[0]}), exit "
@@ -452,6 +456,20 @@ class Runner:
         if cluster_support() is None:
             subprocess.run(["bash", "-c", f"poise cluster down --name {CLUSTER_NAME}"], env=self.env,
                            capture_output=True, timeout=120)
+
+
+# what makes a command more than one plain ``poise`` invocation: pipes, redirections, variables, globs, lists
+SHELL_SYNTAX = re.compile(r"[|&;<>$`*?()\\\n]")
+
+
+def run_text(text: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run one command of a page: a plain ``poise ...`` in a process forked from the tests' warm
+    server (:func:`tests.harness.run_cli`: the same command, without its interpreter's start), any
+    other through bash."""
+    if text.startswith("poise ") and not SHELL_SYNTAX.search(text):
+        return run_cli(shlex.split(text)[1:], cwd=cwd, env=env, timeout_s=COMMAND_TIMEOUT_S)
+    return subprocess.run(["bash", "-c", text], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT_S)
 
 
 def _page_commands(page: str) -> list[Command]:

@@ -243,11 +243,13 @@ def plot_timeline(table: np.ndarray, path: str | Path) -> Path:
 
 def plot_timelines(panels: Sequence[tuple[str, np.ndarray]], path: str | Path, *, title: str = "",
                    groups: Sequence[Sequence[int]] = ()) -> Path:
-    """Several runs' timelines side by side: one column per run (``(title, table)`` panels), one
-    row per rank, drawn as :func:`plot_timeline` draws one run.
+    """Several runs' timelines: one column per run (``(title, table)`` panels), one row per rank,
+    drawn as :func:`plot_timeline` draws one run.
 
-    ``groups``: columns whose runs are compared (a baseline and poise's runs); each group shares
-    one y scale in seconds, so that a shorter bar is a shorter step. Every other column has its own.
+    ``groups``: panels whose runs are compared (a baseline and poise's runs). Each group is a row
+    of panels of its own, side by side, sharing one y scale in seconds so that a shorter bar is a
+    shorter step; a panel in no group is a group of its own. One row per comparison keeps a
+    figure of five runs readable at a page's width (the README and the site show it).
     """
     import matplotlib
 
@@ -256,27 +258,37 @@ def plot_timelines(panels: Sequence[tuple[str, np.ndarray]], path: str | Path, *
 
     if not panels:
         raise ValueError("plot_timelines: no runs to draw")
+    grouped = {i for group in groups for i in group}
+    rows_of = [list(group) for group in groups] + [[i] for i in range(len(panels)) if i not in grouped]
     ranks = max(table.shape[0] for _, table in panels)
-    fig, axes = plt.subplots(ranks, len(panels), figsize=(3.6 * len(panels) + 0.8, 1.4 + 1.5 * ranks),
-                             squeeze=False)
-    for c, (name, table) in enumerate(panels):
-        draw_timeline(axes[: table.shape[0], c], table)
-        for ax in axes[table.shape[0]:, c]:
-            ax.set_visible(False)
-        axes[0, c].set_title(name, fontsize="medium")
-        axes[table.shape[0] - 1, c].set_xlabel("step")
-    for r in range(ranks):
-        axes[r, 0].set_ylabel(f"rank {r}\nseconds")
-    for group in groups:
-        top = max(axes[r, c].get_ylim()[1] for c in group for r in range(ranks) if axes[r, c].get_visible())
-        for c in group:
-            for r in range(ranks):
-                axes[r, c].set_ylim(0, top)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small", frameon=False)
+    width = max(len(group) for group in rows_of)
+    fig = plt.figure(figsize=(3.6 * width + 0.8, 0.8 + (1.0 + 1.5 * ranks) * len(rows_of)), layout="constrained")
+    handles: list[Any] = []
+    labels: list[str] = []
+    for subfig, group in zip(fig.subfigures(len(rows_of), 1, squeeze=False)[:, 0], rows_of, strict=True):
+        axes = subfig.subplots(ranks, width, squeeze=False)
+        for c in range(width):
+            if c >= len(group):
+                for ax in axes[:, c]:
+                    ax.set_visible(False)
+                continue
+            name, table = panels[group[c]]
+            draw_timeline(axes[: table.shape[0], c], table)
+            for ax in axes[table.shape[0]:, c]:
+                ax.set_visible(False)
+            axes[0, c].set_title(name, fontsize="medium")
+            axes[table.shape[0] - 1, c].set_xlabel("step")
+        for r in range(ranks):
+            axes[r, 0].set_ylabel(f"rank {r}\nseconds")
+        visible = [ax for c in range(len(group)) for ax in axes[:, c] if ax.get_visible()]
+        top = max(ax.get_ylim()[1] for ax in visible)
+        for ax in visible:
+            ax.set_ylim(0, top)
+        if not handles:
+            handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize="small", frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)

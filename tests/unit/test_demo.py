@@ -108,5 +108,9 @@ def test_side_by_side_timelines_are_written(tmp_path):
     path = plot_timelines([(f"run {i}", t) for i, t in enumerate(tables)], tmp_path / "compare.png",
                           title="t", groups=[(0, 1, 2), (3, 4)])  # the demo's groups: three runs, then two
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    width, height = Image.open(path).size
+    assert height > 0.5 * width, (width, height)  # a row of panels per comparison: readable at a page's width
     with pytest.raises(ValueError, match="no runs"):
         plot_timelines([], tmp_path / "none.png")

@@ -86,7 +86,7 @@ def check_config(config: RunConfig, batch_size: int | None) -> None:
     ``pipeline.dp_size``.
 
     Raises:
-        ValueError: another task than code-lm, epochs or a token budget, fewer samples per
+        ValueError: another task than code-lm, packed rows, epochs or a token budget, fewer samples per
             step (per replica) than micro-batches, a world that ``pipeline.dp_size`` does not
             divide, or (with replicas) comm settings DDP over them cannot run.
     """
@@ -95,6 +95,9 @@ def check_config(config: RunConfig, batch_size: int | None) -> None:
     if config.train.epochs is not None or config.train.batch_tokens is not None:
         raise ValueError("poise pipeline runs train.steps of train.batch_size samples; "
                          "train.epochs and train.batch_tokens are not supported")
+    if config.task.packed:
+        raise ValueError("task.packed=true: poise pipeline's stages take padded samples, not packed rows with "
+                         "attention per document; train packed rows with poise train")
     if config.parallel.sharded:
         raise ValueError(f"parallel.mode={config.parallel.mode!r} shards a whole model with FSDP2 (poise train); "
                          "poise pipeline replicates each stage with DDP: use --dp N")

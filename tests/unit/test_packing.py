@@ -176,3 +176,23 @@ def test_an_epoch_resumed_on_another_number_of_ranks_trains_the_rest_once():
     three.set_epoch(0)
     rest = [int(p) for j in range(len(three)) for b in three.global_batches(j) for p in b]
     assert sorted(done + rest) == list(range(len(three.lengths)))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"lengths": DOCS, "row_tokens": 1, "batch_size": 2}, r"^row_tokens=1 must be an integer >= 2"),
+    ({"lengths": DOCS, "row_tokens": 64, "loss_terms": DOCS - 1, "batch_size": 2}, r"loss_terms= does not apply"),
+    ({"costs": DOCS, "row_tokens": 64, "batch_size": 2}, r"costs= does not apply"),
+    ({"row_tokens": 64, "batch_size": 2}, r"give lengths=, the documents' token counts"),
+])
+def test_packed_data_refuses_what_it_cannot_take_in_one_line(kwargs, match):
+    import poise
+
+    with pytest.raises(ValueError, match=match):
+        poise.Data(**kwargs)
+
+
+def test_a_packed_budget_in_tokens_is_whole_rows():
+    assert make_packed_sampler("static", DOCS, rank=0, world_size=2, row_tokens=ROW, batch_tokens=4 * ROW
+                               ).rows_per_rank == 4
+    with pytest.raises(ValueError, match=r"^batch_tokens=1000 is not a whole number of rows of row_tokens=512$"):
+        make_packed_sampler("auto", DOCS, rank=0, world_size=2, row_tokens=ROW, batch_tokens=1000)

@@ -3,7 +3,8 @@ file agrees with that file, wherever it is quoted.
 
 ``make demo`` writes docs/results/demo.json's figures; the README and the start page quote its
 table whole (``poise.bench.demo.markdown_table``), and the README, the start page and the
-balancing page quote its figures in prose, each with its setting. A page edited by hand, or a
+balancing page quote its figures in prose, each with its setting. Their capability table's
+no-settings row quotes ``poise bench auto``'s file, docs/results/bench-auto.json. A page edited by hand, or a
 results file replaced without the pages, fails here, naming the page, the claim and both
 figures. The decide page's table is checked the same way in tests/unit/test_bench_auto.py.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from poise.bench import demo
+from poise.bench import auto, demo
 from tests.conftest import ROOT
 
 RESULTS = ROOT / "docs" / "results" / "demo.json"
@@ -89,6 +90,25 @@ CLAIMS = [
           lambda d: (f"{run(d, 'dynamic', 'eval_loss'):.3f}", f"{run(d, 'static', 'eval_loss'):.3f}"),
           ("docs/balancing.md",)),
 ]
+
+
+def _auto(scenario: str, run_name: str, key: str) -> float:
+    """A figure of docs/results/bench-auto.json's summary (the decide page's table)."""
+    data = json.loads((ROOT / "docs" / "results" / "bench-auto.json").read_text())
+    rows = auto.summarize(data["runs"])
+    return next(float(r[key]) for r in rows if (r["scenario"], r["run"]) == (scenario, run_name))
+
+
+# the README's and the start page's "no settings" row quotes poise bench auto's file
+AUTO_CLAIM = Claim(
+    "the capability table's no-settings row",
+    r"nothing to fix (\d+\.\d\d)× DDP's time to its eval loss .{0,60}?rank 1 at half speed (\d+\.\d\d)× at "
+    r"DDP's tokens "
+    r"\(length bucketing (\d+\.\d\d)×, (\d+\.\d\d)× the tokens\); half speed with variable lengths (\d+\.\d\d)×",
+    lambda _: (f"{_auto('S1', 'auto', 'speedup_vs_ddp'):.2f}", f"{_auto('S2', 'auto', 'speedup_vs_ddp'):.2f}",
+               f"{_auto('S2', 'dynamic', 'speedup_vs_ddp'):.2f}", f"{_auto('S2', 'dynamic', 'tokens_vs_ddp'):.2f}",
+               f"{_auto('S9', 'auto', 'speedup_vs_ddp'):.2f}"), TOP)
+CLAIMS.append(AUTO_CLAIM)
 
 
 def _row(data: dict[str, Any], name: str) -> tuple[str, ...]:

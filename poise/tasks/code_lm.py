@@ -109,16 +109,17 @@ def collate_packed(samples: Sequence[torch.Tensor], *, row_tokens: int) -> Batch
     ``inputs`` is ``[rows, row_tokens]`` int64 (padding holds byte 0 after a row's last
     document, which attends nothing); ``targets`` holds each document's next byte and
     ``IGNORE_INDEX`` at its last byte and on padding, so a document of L bytes has L - 1 loss
-    terms; ``rows`` gives each row's documents' lengths.
+    terms; ``rows`` gives each row's documents' lengths. A piece of one byte (the last of a
+    document one byte longer than rows) has no loss term.
 
     Raises:
-        ValueError: the batch is empty or a sample has fewer than 2 bytes.
+        ValueError: the batch is empty or a sample has no bytes.
     """
     if not samples:
         raise ValueError("collate_packed got an empty batch; need at least one sample")
     pieces = [s[start:start + row_tokens] for s in samples for start in range(0, len(s), row_tokens)]
-    if min(len(p) for p in pieces) < MIN_SAMPLE_BYTES:
-        raise ValueError(f"a document (or its last piece) of {min(len(p) for p in pieces)} bytes; need at least 2")
+    if len(pieces) < len(samples):
+        raise ValueError("collate_packed got a sample of 0 bytes; need at least 1")
     rows: list[list[torch.Tensor]] = []
     used = row_tokens
     for piece in pieces:
@@ -313,11 +314,16 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def code_lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Mean cross-entropy (nats) over the batch's real target bytes."""
-    logits = model(batch.inputs) if batch.rows is None else model(batch.inputs, batch.rows)
-    return F.cross_entropy(
-        logits.reshape(-1, VOCAB_SIZE), batch.targets.reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    """Mean cross-entropy (nats) over the batch's real target bytes (packed rows whose pieces
+    have no target, all of one byte: 0, not the NaN of a mean over nothing)."""
+    if batch.rows is None:
+        return F.cross_entropy(
+            model(batch.inputs).reshape(-1, VOCAB_SIZE), batch.targets.reshape(-1), ignore_index=IGNORE_INDEX
+        )
+    targets = batch.targets.reshape(-1)
+    total = F.cross_entropy(model(batch.inputs, batch.rows).reshape(-1, VOCAB_SIZE), targets,
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def code_lm_eval_sums(model: nn.Module, batch: Batch) -> EvalSums:

@@ -196,3 +196,14 @@ def test_a_packed_budget_in_tokens_is_whole_rows():
                                ).rows_per_rank == 4
     with pytest.raises(ValueError, match=r"^batch_tokens=1000 is not a whole number of rows of row_tokens=512$"):
         make_packed_sampler("auto", DOCS, rank=0, world_size=2, row_tokens=ROW, batch_tokens=1000)
+
+
+def test_a_one_byte_piece_packs_and_a_batch_without_targets_has_a_zero_loss():
+    """A document one byte longer than a row leaves a last piece of one byte: no loss term,
+    and a batch holding only such pieces (a slow rank's share) has a loss of 0, not NaN."""
+    batch = collate_packed([torch.arange(65, dtype=torch.uint8)], row_tokens=64)
+    assert batch.rows == ((64,), (1,)) and int((batch.targets != IGNORE_INDEX).sum()) == 63
+    alone = collate_packed([torch.tensor([7], dtype=torch.uint8)], row_tokens=64)
+    loss = code_lm_loss(_model().train(), alone)
+    loss.backward()
+    assert float(loss.detach()) == 0.0

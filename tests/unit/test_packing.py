@@ -207,3 +207,20 @@ def test_a_one_byte_piece_packs_and_a_batch_without_targets_has_a_zero_loss():
     loss = code_lm_loss(_model().train(), alone)
     loss.backward()
     assert float(loss.detach()) == 0.0
+
+
+def test_hugging_faces_flattening_collator_counts_the_terms_the_session_weighs_by():
+    """docs/balancing.md's recipe: DataCollatorWithFlattening over a packed session's pieces
+    (read through the piece view) leaves out each document's first label, so a causal LM's
+    shifted loss averages over exactly the sampler's loss terms of those pieces."""
+    from transformers import DataCollatorWithFlattening
+
+    from poise.run.packed import PieceView
+
+    sampler = make_packed_sampler("auto", DOCS, rank=0, world_size=2, row_tokens=ROW, batch_size=2, cost_fn=COST)
+    view = PieceView([{"input_ids": list(range(int(n)))} for n in DOCS], sampler.pieces)
+    for batch in sampler.global_batches(0):
+        flat = DataCollatorWithFlattening()([view[int(i)] for i in batch])
+        shifted = flat["labels"][..., 1:]
+        assert int((shifted != IGNORE_INDEX).sum()) == int(sampler.piece_terms()[batch].sum())
+        assert flat["position_ids"][0].tolist() == [p for i in batch for p in range(int(sampler.lengths[i]))]

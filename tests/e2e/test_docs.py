@@ -275,7 +275,7 @@ REWRITES: list[tuple[str, str | Callable[[re.Match[str]], str], str]] = [
     (r"--max-bytes \S+", "--max-bytes 1M", "bus bandwidth up to 1 MB, not 64 MB-1 GB"),
     (r"--metrics\.port \d+", "--metrics.port 0", "a free port: the docs' one may be taken here"),
     (r"(?<=[\s=])/shared/", "shared/", "a shared filesystem's path, inside the workspace"),
-    (r"^(poise cluster (?:up|down|check|run))\b", rf"\1 --name {CLUSTER_NAME}",
+    (r"^((?:sudo \S*)?poise cluster (?:up|down|check|run))\b", rf"\1 --name {CLUSTER_NAME}",
      "a cluster of this test's own: the default name may be another job's"),
 ]
 # what every code-lm job of a command gets unless the command sets it (--task digits: not code-lm)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 
-.PHONY: venv extras demo test docs lint clean
+.PHONY: venv extras demo test test-long docs lint clean
 
 # `make venv`: what the demo needs and nothing more; `make extras`: everything else the suite,
 # the docs and the linters use. The lines in [brackets] say what each step installs (pip is quiet).
@@ -38,8 +38,17 @@ $(VENV)/.extras-installed: $(VENV)/.installed
 demo: venv
 	$(BIN)/poise demo --out runs/demo
 
+# every tier but the soak-style scenarios (marked long: benches at CI size, many launched jobs); each
+# of those names the test here that runs its code paths. `make test-long` runs them. poise's bytecode
+# is compiled first: where PYTHONDONTWRITEBYTECODE is set, each of the suite's ~500 worker processes
+# would otherwise compile poise again (about 0.5 s of CPU each).
 test: extras
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m compileall -q poise tests
+	$(BIN)/python -m pytest -q -m "not long"
+
+test-long: extras
+	$(BIN)/python -m compileall -q poise tests
+	$(BIN)/python -m pytest -q -m long
 
 # the reference pages from the code (poise/cli/reference.py), then the site into site/, --strict:
 # a broken link, anchor or API reference fails the build

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -32,3 +33,18 @@ def run_poise(*args: str, timeout_s: float = 240.0, cwd: Path | None = None) -> 
     from tests.harness import run_cli
 
     return run_cli(list(args), cwd=cwd or ROOT, env=env, timeout_s=timeout_s)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A ``long`` test (see pyproject's markers) must name, as ``covered_by``, the test of
+    ``make test`` that runs its code paths: ``path::name`` of a test function that exists."""
+    for item in items:
+        mark = item.get_closest_marker("long")
+        if mark is None:
+            continue
+        covered_by = mark.kwargs.get("covered_by", "")
+        path, _, name = covered_by.partition("::")
+        source = ROOT / path
+        if not (name and source.is_file() and re.search(rf"^def {re.escape(name)}\(", source.read_text(), re.M)):
+            raise pytest.UsageError(f"{item.nodeid}: long(covered_by={covered_by!r}) names no test function "
+                                    "(path::name) of make test")

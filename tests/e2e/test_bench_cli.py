@@ -33,6 +33,7 @@ def test_scaling_bench_rejects_bad_worker_counts(tmp_path):
     assert "--workers='2,x' is invalid" in proc.stderr
 
 
+@pytest.mark.long(covered_by="tests/e2e/test_bench_cli.py::test_balance_bench_repeats_are_interleaved_and_get_a_median_row")
 @pytest.mark.timeout(450)  # nine 2-worker jobs: ~105 s here, over the default 120 s on a slower CI machine
 def test_balance_bench_runs_nine_jobs_and_writes_json(tmp_path, cache_dir):
     proc = run_poise("bench", "balance", "--steps", "4", "--batch-size", "4", "--change-at", "2",

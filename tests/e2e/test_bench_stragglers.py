@@ -14,6 +14,8 @@ from tests.conftest import run_poise
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.long(covered_by="tests/e2e/test_bench_stragglers.py::"
+                        "test_the_modes_without_delays_are_measured_against_the_delay_free_run")
 @pytest.mark.timeout(300)
 def test_bench_stragglers_slice_writes_its_rows(tmp_path):
     proc = run_poise("bench", "stragglers", "--worlds", "2", "--models", "bernoulli", "--modes", "ddp,deadline",

@@ -14,6 +14,20 @@ pytestmark = pytest.mark.e2e
 SMALL = ["--max-seq-len", "64", "--task.d_model", "32", "--task.num_layers", "1", "--task.num_heads", "2"]
 
 
+@pytest.mark.timeout(300)
+def test_diagnose_bench_diagnoses_each_job_with_every_rule(tmp_path, cache_dir):
+    """The bench's path in ``make test``: two jobs, each diagnosed by every rule. Whether each
+    cause is found is a figure of a quiet machine: the long test below and the bench itself."""
+    proc = run_poise("bench", "diagnose", "--steps", "6", "--jobs", "clean,slow-rank", "--out", str(tmp_path), "--",
+                     "--task.cache_dir", str(cache_dir), timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "jobs diagnosed as injected" in proc.stdout
+    rows = {r["job"]: r for r in json.loads((tmp_path / "diagnose.json").read_text())["jobs"]}
+    assert set(rows) == {"clean", "slow-rank"}
+    assert set(rows["slow-rank"]["verdicts"]) == set(rows["clean"]["verdicts"]) >= {"straggler", "cpu_contention"}
+
+
+@pytest.mark.long(covered_by="tests/e2e/test_diagnose_run_cli.py::test_diagnose_bench_diagnoses_each_job_with_every_rule")
 def test_diagnose_bench_finds_each_injected_cause(tmp_path, cache_dir):
     # the bench's own model: a smaller one computes for ~2 ms a step, within a shared machine's noise
     proc = run_poise("bench", "diagnose", "--steps", "30", "--data-delay-s", "0.1",

@@ -87,6 +87,14 @@ def _balance(report: Mapping[str, Any]) -> list[Decision]:
         "would change the steps' samples, so it is left to balance='cost' or 'dynamic'" if strategy == "auto"
         else f"balance={strategy!r} was set", "balance='auto' (balance='static' for plain DDP's equal split)"
         if strategy == "auto" else f"balance={strategy!r}", by="poise" if strategy == "auto" else "you")
+    own = report.get("balance_sampler")
+    if strategy == "auto" and isinstance(own, Mapping) and not own.get("replanned"):
+        # Data(sampler=...) that auto cannot re-plan: the user's sampler decides every step
+        first = Decision(
+            "balance", f"your {own.get('type')}: its own steps and split, not re-planned", 0,
+            f"Data(sampler=...) gave a {own.get('type')}, which poise does not re-plan (only a "
+            "BalancedBatchSampler is); give lengths or costs instead of a sampler to let poise split the steps",
+            "balance='static' (to say the sampler's split is meant)", by="you")
     found = [first]
     for replan in report.get("replans") or []:
         if not isinstance(replan, Mapping) or replan.get("decision") not in (*MOVES, "revert"):

@@ -23,9 +23,8 @@ Example (under ``torchrun --nproc-per-node 2``)::
     session.finish()
 
 How it is put together: :mod:`poise.run.build` (the parts), :mod:`poise.run.step` (a step),
-:mod:`poise.run.deadline_loop` (the loop of deadline steps),
-:mod:`poise.run.record` (records and the report), :mod:`poise.sync` (the strategy).
-``poise train`` runs its built-in tasks through this same class (``poise/train/loop.py``).
+:mod:`poise.run.deadline_loop` (deadline steps), :mod:`poise.run.record` (records and the report),
+:mod:`poise.sync` (the strategy). ``poise train`` runs its tasks through this same class (``poise/train/loop.py``).
 """
 
 from __future__ import annotations
@@ -428,6 +427,8 @@ class Session:
                     "wall_s": time.perf_counter() - self._started_s,
                     **report_mod.summarize(table, loss_scale=loss_scale),
                     "balance_strategy": self.balance.strategy, "codec": self.comm.codec,
+                    **({"balance_sampler": {"type": type(self.sampler).__name__, "replanned": bool(self.partitioner)}}
+                       if self.data.sampler is not None else {}),
                     "sync": self.sync.summary(),
                     **run_keys(self._recorder, gathered, compression_start=self.compression_start,
                                trial=self.codec_trial, partitioner=self.partitioner),

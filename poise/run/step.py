@@ -1,12 +1,11 @@
-"""One training step of a :class:`poise.Session`: :class:`Step`, and :class:`DeadlineStep` under
-``straggler`` (micro-batches until the shared deadline, see :mod:`poise.sync.deadline`).
+"""One training step of a :class:`poise.Session`: :class:`Step`, and :class:`DeadlineStep` under ``straggler``
+(micro-batches until the shared deadline, see :mod:`poise.sync.deadline`).
 
-A step is given a :class:`StepEnv`, the typed few things it needs (the synchronization
-strategy, the clock, the samples' lengths, the recorder that owns the open step, the
-listeners told when a step begins and ends), never the session itself. It calls the strategy
-at its fixed points (:mod:`poise.sync.base`): ``begin_step`` and ``micro_batch`` when it opens,
-``micro_batch`` again before each micro-batch of a deadline step, ``end_step`` after the
-optimizer step, and reads its traffic when it closes.
+A step is given a :class:`StepEnv`, the typed few things it needs (the synchronization strategy, the clock, the
+samples' lengths, the recorder that owns the open step, the listeners told when a step begins and ends), never the
+session itself. It calls the strategy at its fixed points (:mod:`poise.sync.base`): ``begin_step`` and ``micro_batch``
+when it opens, ``micro_batch`` again before each micro-batch of a deadline step, ``end_step`` after the optimizer
+step, and reads its traffic when it closes.
 """
 
 from __future__ import annotations
@@ -73,8 +72,8 @@ class StepEnv:
         world_size: ranks in the process group.
         owner: keeps the open step; records it when it ends.
         listeners: told when a step begins and ends.
-        backward: the default way :meth:`Step.backward` runs backward (``accelerator.backward``;
-            None: ``loss.backward()``). Read at each call.
+        backward: the default way :meth:`Step.backward` runs backward (``accelerator.backward``; None:
+            ``loss.backward()``). Read at each call.
         device: where small collectives' tensors live (the process group's device).
         accum_steps: micro-batches per optimizer step (a micro-batch's weight divides by it).
         labels: the loss terms counted in a Hugging Face model's forward (``labels=``), or None
@@ -84,8 +83,7 @@ class StepEnv:
             count replaces them; None: nothing to say.
         items_agreed: whether the ranks agreed, at this session's first backward, on counting
             the terms in hand (``num_items`` or ``labels``) or not.
-        row_tokens: packed rows of this many tokens (``Data(row_tokens=...)``): a batch's padded
-            tokens are its rows'; None: a batch is padded to its longest sample.
+        row_tokens: packed rows of this many tokens (``Data(row_tokens=...)``), padded as rows; None: padded batches.
     """
 
     sync: Sync

@@ -294,3 +294,25 @@ def test_misuse_gets_one_line_naming_what_is_expected():
         assert "which has ended" in errors["after end"]
         assert "not a poise session state" in errors["load"]
         assert all("\n" not in e for e in errors.values())
+
+
+def _own_static_sampler(rank: int, world_size: int, out_dir: str) -> dict | None:
+    sampler = poise.balance.make_sampler("static", LENGTHS, rank=rank, world_size=world_size, batch_size=4)
+    session = poise.Session(_model(), poise.Data(sampler=sampler), out_dir=out_dir,
+                            diagnostics=poise.DiagnosticsConfig(plot=False))
+    for n, (step, (x, y)) in enumerate(session.steps(DataLoader(Sequences(), batch_sampler=session.sampler,
+                                                                collate_fn=collate))):
+        step.backward(token_mean_loss(session.model, x, y))
+        if n == 2:
+            break
+    return session.finish()
+
+
+def test_a_sampler_of_the_users_is_not_said_to_be_autos_split(tmp_path: Path):
+    """No balance setting (auto) with Data(sampler=StaticSchedule): the sampler's split trains,
+    nothing re-plans it, and the report's decision names the user's sampler."""
+    report = run_ranks(_own_static_sampler, world_size=2, timeout_s=60, out_dir=str(tmp_path))[0]
+    assert report["balance_strategy"] == "auto" and not report.get("replans")
+    assert report["balance_sampler"] == {"type": "StaticSchedule", "replanned": False}
+    split = next(d for d in report["decisions"] if d["knob"] == "balance")
+    assert split["by"] == "you" and split["choice"].startswith("your StaticSchedule")

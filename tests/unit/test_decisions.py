@@ -72,3 +72,15 @@ def test_an_undone_move_is_said_with_the_balance_that_undid_it():
     undone = found[-1]
     assert undone.step == 12 and undone.choice == "shares 0.500 0.500 (the last move undone)"
     assert "balance 0.810 against 0.930" in undone.why
+
+
+def test_a_sampler_of_the_users_that_auto_cannot_replan_is_said_as_theirs():
+    """Data(sampler=StaticSchedule(...)) with no balance setting: the sampler's split trains,
+    nothing is re-planned, and the decision says so instead of claiming auto's split."""
+    report = {"balance_strategy": "auto", "codec": "none", "sync": {"mode": "step"},
+              "balance_sampler": {"type": "StaticSchedule", "replanned": False}}
+    split = decisions(report)[0]
+    assert split.knob == "balance" and split.by == "you" and split.choice.startswith("your StaticSchedule")
+    assert "does not re-plan" in split.why and split.pin == "balance='static' (to say the sampler's split is meant)"
+    replanned = decisions({**report, "balance_sampler": {"type": "BalancedBatchSampler", "replanned": True}})[0]
+    assert replanned.by == "poise" and "DDP's steps" in replanned.choice

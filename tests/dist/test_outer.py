@@ -6,9 +6,7 @@ unequal rounds, and a rank that trained nothing."""
 from __future__ import annotations
 
 import copy
-import functools
 import os
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -22,6 +20,7 @@ from poise.balance.weights import loss_weight
 from poise.config import CommConfig, SyncConfig
 from poise.runtime.clock import clock_for
 from poise.sync import Outer
+from poise.sync.auto import AutoTrial
 from poise.sync.nodes import Nodes, make_nodes, piece
 from poise.sync.outer import choose_inner_steps, fragments, launch_step, per_step_pays
 from tests.dist.test_session import LENGTHS, Sequences, collate, token_mean_loss
@@ -33,30 +32,6 @@ pytestmark = pytest.mark.dist
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-
-
-class _Slow(nn.Module):
-    """``_model()`` whose forward takes ``seconds`` more (compute that dwarfs a loopback all-reduce)."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.inner, self.seconds = _model(), seconds
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
-        return self.inner(x)
-
-
-class _Wide(nn.Module):
-    """``_model()`` with a 4-million-entry parameter that adds nothing to the output: a 16 MB
-    gradient all-reduce after almost no compute."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner, self.wide = _model(), nn.Parameter(torch.zeros(4_000_000))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x) + 0.0 * self.wide[:1]
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -313,9 +288,17 @@ def test_auto_picks_per_step_sync_when_it_is_cheap_and_the_fewest_inner_steps_ot
     assert choose_inner_steps(0.5, 1.0, 0.05, steps_left=50) == 5  # ten rounds at least
 
 
-def _auto(rank: int, world_size: int, slow_s: float | None = None, wide: bool = False, steps: int = 10) -> dict:
-    model = (lambda: _Slow(slow_s)) if slow_s is not None else _Wide if wide else _model
-    out = _train(rank, world_size, SyncConfig(mode="auto", auto_trial_steps=3), steps, model=model)
+def _auto(rank: int, world_size: int, steps: int = 10, recorded: tuple[float, float] | None = None) -> dict:
+    """``steps`` of ``sync='auto'``. ``recorded``: the (compute s, communication s) that every timed
+    step of auto's trial reports instead of what this machine measures, so that the decision
+    under test is the one those figures call for, however loaded the machine; the ranks still
+    agree on them through their all-reduce, and run what was chosen."""
+    if recorded is not None:
+        compute_s, comm_s = recorded
+        ddp_step, synchronized_step = AutoTrial.ddp_step, AutoTrial.synchronized_step
+        AutoTrial.ddp_step = lambda self, _c, _e: ddp_step(self, compute_s, comm_s)  # this rank's process only
+        AutoTrial.synchronized_step = lambda self, _c, _s, left: synchronized_step(self, compute_s, comm_s, left)
+    out = _train(rank, world_size, SyncConfig(mode="auto", auto_trial_steps=3), steps)
     dist.barrier()
     return out
 
@@ -328,23 +311,23 @@ def test_auto_decides_alike_on_every_rank_and_says_why():
 
 
 def test_auto_keeps_every_step_when_ddp_hides_its_communication_and_is_then_ddp_bit_for_bit():
-    """Compute of 0.2 s a step against a loopback all-reduce of a small model: DDP's exposed
-    communication is far below 15 % of compute, so auto decides after its 3 DDP steps, never
-    runs an outer step, and every step's parameters are plain DDP's."""
-    auto = run_ranks(_auto, world_size=2, timeout_s=90, slow_s=0.2, steps=6)
-    ddp = run_ranks(_ddp_reference, world_size=2, timeout_s=90, model=functools.partial(_Slow, 0.2), steps=6)
+    """DDP's steps recorded at 0.2 s of compute and 1 ms of exposed communication (far below 15 %
+    of compute): auto decides after its 3 DDP steps, never runs an outer step, and every step's
+    parameters are plain DDP's."""
+    auto = run_ranks(_auto, world_size=2, timeout_s=90, steps=6, recorded=(0.2, 0.001))
+    ddp = run_ranks(_ddp_reference, world_size=2, timeout_s=90, steps=6)
     choice = auto[0]["summary"]["auto"]
     assert choice["mode"] == "step" and "exposed" in choice["why"] and auto[0]["summary"]["outer_steps"] == 0
-    assert choice["ddp_exposed_s"] <= 0.15 * choice["ddp_compute_s"]
+    assert (choice["ddp_compute_s"], choice["ddp_exposed_s"]) == pytest.approx((0.2, 0.001))
     for a, d in zip(auto[0]["params"], ddp[0]["params"], strict=True):
         assert _same(a, d)
 
 
 def test_auto_takes_outer_steps_when_ddp_waits_for_its_all_reduce():
-    """A 16 MB gradient after almost no compute: DDP's exposed communication exceeds 15 % of
-    compute, so auto times 3 fully synchronized steps after its 3 DDP steps, then chooses outer
-    steps (plain averaging: too few rounds left for DiLoCo) and the ranks still end alike."""
-    results = run_ranks(_auto, world_size=2, timeout_s=120, wide=True, steps=12)
+    """Steps recorded at 10 ms of compute and 50 ms of communication: DDP's exposed share exceeds
+    15 %, so auto times 3 fully synchronized steps after its 3 DDP steps, then chooses outer
+    steps (plain averaging: too few rounds left for DiLoCo), runs them, and the ranks end alike."""
+    results = run_ranks(_auto, world_size=2, timeout_s=120, steps=12, recorded=(0.01, 0.05))
     choice = results[0]["summary"]["auto"]
     assert choice["mode"] == "local_sgd" and choice["inner_steps"] >= 2, choice
     assert choice["ddp_exposed_s"] > 0.15 * choice["ddp_compute_s"] and "exposed" in choice["why"]

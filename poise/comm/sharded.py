@@ -61,11 +61,10 @@ from poise.comm.reducers import _ALIGN_BYTES, Reducer, _pack, _unpack
 from poise.comm.state import Counters, StepStats
 from poise.runtime.clock import HostClock
 
-# the *_single names are torch >= 2.10's (the older names warn there); torch 2.9, the lowest
+# the *_single names are newer torch's (the older names warn there); torch 2.10, the lowest
 # pyproject declares, has only the older ones, with the same arguments
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 Shapes = list[tuple[int, ...]]
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from poise.balance.costs import CostFn
-from poise.balance.sharding import StepSplit, epoch_order
+from poise.balance.sharding import StepSplit, checked_speeds, epoch_order
 
 
 @dataclass(frozen=True)
@@ -154,19 +154,6 @@ class PackedSplit(StepSplit):
     rows: list[list[np.ndarray]] = field(default_factory=list)
 
 
-def _checked(speeds: np.ndarray, cost_fn: CostFn | Sequence[CostFn]) -> tuple[np.ndarray, list[CostFn]]:
-    """Speeds as an array (each positive and finite) and one cost function per rank.
-
-    Raises:
-        ValueError: if a speed is not positive and finite.
-    """
-    speeds = np.asarray(speeds, dtype=np.float64)
-    if not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
-        raise ValueError(f"speeds must be positive and finite, got {speeds.tolist()}")
-    fns = list(cost_fn) if isinstance(cost_fn, (list, tuple)) else [cost_fn] * len(speeds)
-    return speeds, fns
-
-
 def rank_cost(fn: CostFn, lengths: np.ndarray, row_tokens: int) -> float:
     """One rank's cost of its pieces in row order (cost units; see module doc)."""
     lengths = np.asarray(lengths)
@@ -187,7 +174,7 @@ def split_naive(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequenc
                 *, row_tokens: int) -> PackedSplit:
     """The naive packer's split: the step's rows filled in order, an equal run of them to each
     rank in turn (one more to the first ranks when they do not divide); speeds only predict."""
-    speeds, fns = _checked(speeds, cost_fn)
+    speeds, fns = checked_speeds(speeds, cost_fn)
     step = np.asarray(step, dtype=np.int64)
     lengths = np.asarray(lengths)
     rows = [step[a:b] for a, b in rows_in_order(lengths[step], row_tokens)]
@@ -236,7 +223,7 @@ def split_packed(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequen
     Raises:
         ValueError: if a speed is not positive and finite.
     """
-    speeds, fns = _checked(speeds, cost_fn)
+    speeds, fns = checked_speeds(speeds, cost_fn)
     step = np.asarray(step, dtype=np.int64)
     lengths = np.asarray(lengths)
     num_ranks = len(speeds)

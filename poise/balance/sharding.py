@@ -268,11 +268,9 @@ class StepSplit:
 SplitFn = Callable[[np.ndarray, np.ndarray, "CostFn | Sequence[CostFn]", np.ndarray], StepSplit]
 
 
-def _longest_first(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence[CostFn], speeds: np.ndarray
-                   ) -> tuple[np.ndarray, list[CostFn], np.ndarray, np.ndarray]:
-    """What every split starts from: the speeds (checked), one cost function per rank, the
-    lengths as an array, and the order of the step's samples, longest first (ties by index,
-    for determinism).
+def checked_speeds(speeds: np.ndarray, cost_fn: CostFn | Sequence[CostFn]) -> tuple[np.ndarray, list[CostFn]]:
+    """Speeds as an array (each positive and finite) and one cost function per rank: what every
+    planner of a step (this module's and :mod:`poise.balance.packing`'s) starts from.
 
     Raises:
         ValueError: if a speed is not positive and finite.
@@ -280,7 +278,14 @@ def _longest_first(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequ
     speeds = np.asarray(speeds, dtype=np.float64)
     if not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
         raise ValueError(f"speeds must be positive and finite, got {speeds.tolist()}")
-    fns = list(cost_fn) if isinstance(cost_fn, (list, tuple)) else [cost_fn] * len(speeds)
+    return speeds, list(cost_fn) if isinstance(cost_fn, (list, tuple)) else [cost_fn] * len(speeds)
+
+
+def _longest_first(step: np.ndarray, lengths: np.ndarray, cost_fn: CostFn | Sequence[CostFn], speeds: np.ndarray
+                   ) -> tuple[np.ndarray, list[CostFn], np.ndarray, np.ndarray]:
+    """What every split starts from: :func:`checked_speeds`, the lengths as an array, and the
+    order of the step's samples, longest first (ties by index, for determinism)."""
+    speeds, fns = checked_speeds(speeds, cost_fn)
     lengths = np.asarray(lengths)
     return speeds, fns, lengths, np.lexsort((step, -lengths[step]))
 

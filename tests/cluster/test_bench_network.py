@@ -11,6 +11,7 @@ from tests.conftest import run_poise
 pytestmark = pytest.mark.cluster
 
 
+@pytest.mark.timeout(340)  # its command's own limit and the cluster's set-up: over the default 120 s
 def test_network_bench_runs_busbw_and_training_on_a_shaped_cluster(cluster_support, state_dir, tmp_path):
     proc = run_poise("bench", "network", "--links", "1gbit", "--runs", "ddp,sign+hierarchical", "--steps", "4",
                      "--eval-every", "2", "--busbw-bytes", "1M", "--out", str(tmp_path), "--",

@@ -11,6 +11,7 @@ from tests.conftest import run_poise
 pytestmark = pytest.mark.cluster
 
 
+@pytest.mark.timeout(280)  # its command's own limit and the cluster's set-up: over the default 120 s
 def test_bench_plan_predicts_and_measures_one_job(cluster_support, state_dir, tmp_path):
     proc = run_poise("bench", "plan", "--links", "1gbit", "--clusters", "2:1", "--codecs", "none", "--collectives",
                      "flat", "--steps", "5", "--warmup-steps", "2", "--out", str(tmp_path), timeout_s=240)

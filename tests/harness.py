@@ -43,8 +43,9 @@ import torch.multiprocessing as mp
 # What the fork server imports before it forks a rank: what every world needs and is slow to import.
 # torch._dynamo is imported by DDP's constructor (seconds of a rank's first DistributedDataParallel,
 # 10 s on a loaded machine); pytest by every test module a rank unpickles its function from.
+# poise's own modules load on first use (``import poise`` imports no torch): the session's are named.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.testing", "numpy", "pytest", "poise",
-           "poise.cli", "tests.harness"]
+           "poise.cli", "poise.run.session", "poise.run.data", "tests.harness"]
 _CONTEXT: Any = None
 
 

@@ -111,6 +111,22 @@ AUTO_CLAIM = Claim(
 CLAIMS.append(AUTO_CLAIM)
 
 
+def _packed(name: str, key: str) -> float:
+    """A run's figure in docs/results/packed.json (``poise bench packed``)."""
+    data = json.loads((ROOT / "docs" / "results" / "packed.json").read_text())
+    return next(float(r[key]) for r in data["runs"] if r["run"] == name)
+
+
+# the capability tables' packed-sequences row quotes poise bench packed's file
+CLAIMS.append(Claim(
+    "the capability table's packed-sequences row",
+    r"rank 1 at half speed balance (\d\.\d{3}) \(from step 10\) against naive packing's (\d\.\d{3}), "
+    r"(\d+\.\d\d)× its tokens/s; equal ranks (\d+\.\d\d)×",
+    lambda _: (f"{_packed('d-poise-slow', 'balance_settled'):.3f}", f"{_packed('c-naive-slow', 'balance_settled'):.3f}",
+               f"{_packed('d-poise-slow', 'tokens_per_s') / _packed('c-naive-slow', 'tokens_per_s'):.2f}",
+               f"{_packed('b-poise', 'tokens_per_s') / _packed('a-naive', 'tokens_per_s'):.2f}"), TOP))
+
+
 def _row(data: dict[str, Any], name: str) -> tuple[str, ...]:
     """A run's balance, idle share and tokens/s as the demo's table formats them."""
     fmt = {key: f for key, _, f in demo.METRICS}

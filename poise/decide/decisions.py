@@ -81,12 +81,6 @@ def _balance(report: Mapping[str, Any]) -> list[Decision]:
     strategy = report.get("balance_strategy")
     if strategy not in SPLITS:
         return []
-    first = Decision(
-        "balance", f"{strategy}: {SPLITS[strategy]}", 0,
-        "no balance setting: poise trains DDP's samples and moves work only by measured speed; length bucketing "
-        "would change the steps' samples, so it is left to balance='cost' or 'dynamic'" if strategy == "auto"
-        else f"balance={strategy!r} was set", "balance='auto' (balance='static' for plain DDP's equal split)"
-        if strategy == "auto" else f"balance={strategy!r}", by="poise" if strategy == "auto" else "you")
     own = report.get("balance_sampler")
     if strategy == "auto" and isinstance(own, Mapping) and not own.get("replanned"):
         # Data(sampler=...) that auto cannot re-plan: the user's sampler decides every step
@@ -95,6 +89,15 @@ def _balance(report: Mapping[str, Any]) -> list[Decision]:
             f"Data(sampler=...) gave a {own.get('type')}, which poise does not re-plan (only a "
             "BalancedBatchSampler is); give lengths or costs instead of a sampler to let poise split the steps",
             "balance='static' (to say the sampler's split is meant)", by="you")
+    elif strategy == "auto":
+        first = Decision(
+            "balance", f"auto: {SPLITS['auto']}", 0,
+            "no balance setting: poise trains DDP's samples and moves work only by measured speed; length "
+            "bucketing would change the steps' samples, so it is left to balance='cost' or 'dynamic'",
+            "balance='auto' (balance='static' for plain DDP's equal split)", by="poise")
+    else:
+        first = Decision("balance", f"{strategy}: {SPLITS[strategy]}", 0, f"balance={strategy!r} was set",
+                         f"balance={strategy!r}", by="you")
     found = [first]
     for replan in report.get("replans") or []:
         if not isinstance(replan, Mapping) or replan.get("decision") not in (*MOVES, "revert"):

@@ -126,6 +126,10 @@ def plan_sampler(data: Data, balance: BalanceConfig, rank: int, world_size: int)
         if (sampler.rank, sampler.world_size) != (rank, world_size):
             raise ValueError(f"the sampler was made for rank {sampler.rank} of {sampler.world_size}, but this "
                              f"process is rank {rank} of {world_size}")
+        if isinstance(sampler, PackedBatchSampler) and terms is not None:
+            # the session weighs a packed step by its pieces' own terms (tokens - 1 each): given terms would be dropped
+            raise ValueError("loss_terms= comes with a packed sampler, which counts each piece's own terms "
+                             "(tokens - 1): give no loss_terms")
         if balance.strategy == "dynamic" and not isinstance(sampler, BalancedBatchSampler):
             raise ValueError(f"balance 'dynamic' re-plans a BalancedBatchSampler, not a {type(sampler).__name__}")
     elif data.row_tokens is not None:

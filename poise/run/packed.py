@@ -32,14 +32,31 @@ def cut(item: Any, start: int, stop: int, length: int) -> Any:
     if isinstance(item, (torch.Tensor, np.ndarray, list, tuple)):
         return item[start:stop]
     if isinstance(item, dict):
-        sliced = {k: v[start:stop] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == length else v
-                  for k, v in item.items()}
-        if all(sliced[k] is item[k] for k in item):
-            raise ValueError(f"a document of {length} tokens: none of its fields {sorted(item)} has {length} entries "
-                             "to cut into pieces (give lengths= as the documents' token counts)")
-        return sliced
+        return {k: v[start:stop] if _sized(v) and len(v) == length else v for k, v in item.items()}
     raise ValueError(f"a document of type {type(item).__name__} cannot be cut into pieces: give tensors, arrays, "
                      "lists or dicts of them, or documents no longer than row_tokens")
+
+
+def _sized(value: Any) -> bool:
+    return hasattr(value, "__len__") and not isinstance(value, str)
+
+
+def check_length(item: Any, length: int, doc: int) -> None:
+    """Refuse document ``doc`` when it does not hold the ``length`` tokens ``lengths=`` gave for
+    it: the plan's rows, pieces and loss weights all assume that count, and a piece cut from a
+    shorter or longer document would train empty, cut-off or extra tokens.
+
+    Raises:
+        ValueError: a sequence of another length, or a dict with no field of ``length`` entries.
+    """
+    if isinstance(item, (torch.Tensor, np.ndarray, list, tuple)):
+        if len(item) != length:
+            raise ValueError(f"document {doc} has {len(item)} tokens but lengths= gives {length}: give every "
+                             "document's own token count")
+    elif isinstance(item, dict):
+        if not any(_sized(v) and len(v) == length for v in item.values()):
+            raise ValueError(f"document {doc}: none of its fields {sorted(item)} has the {length} entries lengths= "
+                             "gives for it: give every document's own token count")
 
 
 class PieceView(Dataset[Any]):
@@ -56,11 +73,13 @@ class PieceView(Dataset[Any]):
         p = self.pieces
         doc = int(p.doc[index])
         item = self.dataset[doc]
-        if p.first[doc + 1] - p.first[doc] == 1:
+        last = p.first[doc + 1] - 1
+        whole = int(p.start[last] + p.lengths[last])
+        check_length(item, whole, doc)
+        if last == p.first[doc]:
             return item  # a whole document: as the dataset gives it
         start = int(p.start[index])
-        whole = int(p.start[p.first[doc + 1] - 1] + p.lengths[p.first[doc + 1] - 1])
         return cut(item, start, start + int(p.lengths[index]), whole)
 
 
-__all__ = ["PieceView", "cut"]
+__all__ = ["PieceView", "check_length", "cut"]

@@ -224,3 +224,30 @@ def test_hugging_faces_flattening_collator_counts_the_terms_the_session_weighs_b
         shifted = flat["labels"][..., 1:]
         assert int((shifted != IGNORE_INDEX).sum()) == int(sampler.piece_terms()[batch].sum())
         assert flat["position_ids"][0].tolist() == [p for i in batch for p in range(int(sampler.lengths[i]))]
+
+
+def test_a_document_whose_tokens_are_not_its_given_length_is_refused():
+    """lengths= that disagrees with the dataset would train empty, cut-off or extra tokens: refused
+    when the piece is loaded, naming the document, for sequences and Hugging Face dicts alike."""
+    from poise.run.packed import PieceView
+
+    for dataset in ([torch.arange(5), torch.arange(3)], [{"input_ids": list(range(5))}, {"input_ids": [1, 2, 3]}]):
+        for lengths in ([10, 3], [3, 3]):
+            view = PieceView(dataset, cut_pieces(lengths, 4))
+            with pytest.raises(ValueError, match="document 0"):
+                view[0]
+        piece = PieceView(dataset, cut_pieces([5, 3], 4))[1]  # the right counts: document 0's last byte
+        assert list(piece["input_ids"] if isinstance(piece, dict) else piece.tolist()) == [4]
+
+
+def test_loss_terms_with_a_packed_sampler_of_ones_own_are_refused():
+    """A packed step is weighed by its pieces' own terms: loss_terms= beside a packed sampler would
+    be dropped without a word, so it is refused in one line."""
+    from poise.config import BalanceConfig
+    from poise.run.data import Data, plan_sampler
+
+    sampler = make_packed_sampler("auto", np.array([10, 3, 7, 20, 5, 9, 4, 6]), rank=0, world_size=2, row_tokens=8,
+                                  batch_size=1, batch_tokens=None, cost_fn=AttentionCost(0.01), seed=0)
+    with pytest.raises(ValueError, match="give no loss_terms"):
+        plan_sampler(Data(sampler=sampler, loss_terms=[1.0] * len(sampler.lengths)), BalanceConfig(), 0, 2)
+    assert plan_sampler(Data(sampler=sampler), BalanceConfig(), 0, 2) is sampler

@@ -91,7 +91,10 @@ def test_code_lm_short_run(tmp_path, cache_dir):
     assert report["steps"] == 8 and report["balance_strategy"] == "auto"
     balance = next(d for d in report["decisions"] if d["knob"] == "balance")
     assert balance["by"] == "poise" and "DDP's steps" in balance["choice"]
-    assert report["replan_s"] >= 0 and len(report["replans"]) >= 5  # re-planned after every step from step 2
+    # re-planned after every step from step 2; a move's trial steps (as many as the measured
+    # speeds call for) are judged but not recorded, so only the order is fixed, not the count
+    steps = [r["step"] for r in report["replans"]]
+    assert report["replan_s"] >= 0 and steps[0] == 2 and steps == sorted(set(steps)) and steps[-1] <= 8, steps
     assert report["loss_unit"] == "bits/byte"
     assert 0 < report["eval_loss"] < 8.5  # < 8 bits/byte + noise: better than uniform over 256
     # the real tokens of both ranks (the loss curve's last point) over the job's time in steps

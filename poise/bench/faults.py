@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.bench.harness import output_dir, require_positive, save_results, show_table
-from poise.launch.processes import cmdline, descendants, end_tree
+from poise.launch.processes import end_tree, workers
 from poise.log import make_console
 
 log = logging.getLogger(__name__)
@@ -112,16 +112,7 @@ class Job:
 
     def worker(self, rank: int) -> int | None:
         """The pid of the worker process of global rank ``rank`` (None when there is none)."""
-        for pid in descendants(self.proc.pid):
-            if "poise.train.worker" not in cmdline(pid):
-                continue
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"RANK={rank}".encode() in env:
-                return pid
-        return None
+        return next((pid for pid, r in workers(self.proc.pid).items() if r == rank), None)
 
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from poise.config.fields import check_finite, check_positive, setting
 
 BACKENDS = ("auto", "gloo", "nccl")
+START_METHODS = ("auto", "fork", "subprocess")
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
 MAX_LOCAL_WORKERS = 64
 MAX_TIMEOUT_S = 7 * 24 * 3600
@@ -36,6 +37,11 @@ class DistConfig:
         None, "whether this machine's agent hosts the c10d rendezvous store (unset = when the endpoint is its own)"
     )
     socket_ifname: str = setting("", "network interface gloo/NCCL sockets bind to ('' = the backend's choice)")
+    start_method: str = setting(
+        "auto", "how the workers start: fork (from the launcher, which imported torch once), subprocess (each "
+        "a new interpreter: python -m MODULE), auto (fork where torch has no GPU build and each worker uses one "
+        "CPU thread; else subprocess)"
+    )
     max_restarts: int = setting(0, "times the launcher restarts the workers after one fails (see --checkpoint-every)")
     keep_freed_memory: bool | None = setting(
         None, "keep the memory a step frees for the next (glibc; given back past half of this worker's "
@@ -61,6 +67,9 @@ class DistConfig:
             raise ValueError(f"dist.node_rank={self.node_rank} must be >= 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"dist.backend={self.backend!r} is unknown: allowed are {', '.join(BACKENDS)}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"dist.start_method={self.start_method!r} is unknown: allowed are "
+                             f"{', '.join(START_METHODS)}")
         check_positive("dist", "timeout_s", self.timeout_s, allow_none=False)
         if self.timeout_s > MAX_TIMEOUT_S:  # torch keeps it as a timedelta: 1e300 s overflows in every worker
             raise ValueError(f"dist.timeout_s={self.timeout_s:g} is invalid: allowed is at most {MAX_TIMEOUT_S} s")

@@ -321,11 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     from poise.files import write_json_atomic
     from poise.log import setup_logging
     from poise.runtime import dist as rdist
+    from poise.runtime.launcher import become_worker
 
     parser = argparse.ArgumentParser(prog="poise.diagnostics.busbw", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     sizes, ops, link = check_arguments(args)
+    become_worker()
     setup_logging(int(os.environ.get("RANK", "0")))
     ctx = rdist.init_from_env(DistConfig(backend=args.backend, timeout_s=600.0))
     try:

@@ -18,8 +18,18 @@ see the README on trusted networks and binding one interface (``--dist.socket_if
 resolved ``config.toml`` unless told otherwise. When a worker fails, the launcher stops the
 others and we return 1 after naming the rank whose failure caused the others, and its error.
 A worker whose process is stopped is ended by :mod:`poise.launch.watchdog` after a few
-seconds, and named as having stopped responding. Ctrl-C or SIGTERM stops the workers (torch's
-agent passes the signal on) and returns 130 or 143 after one line.
+seconds, and named as having stopped responding.
+
+How the workers start (``dist.start_method``, :func:`start_method`): a new interpreter each
+(``python -m MODULE``, torchrun's way with a module), or forked from this process, which
+imported torch and the worker's module once (torchrun's function entry point with its
+``fork`` start method): a worker then starts in milliseconds instead of importing torch,
+poise and torch._dynamo again (about 7 s of CPU each on this project's 2-core test machine).
+Forking is chosen only where it is safe: torch's CUDA runtime cannot be used in a process
+forked after the parent touched it, and OpenMP's thread pool, once started in the parent,
+hangs a forked child's first parallel region with more than one thread (measured with torch
+2.13's libgomp); so ``auto`` forks only where torch has no GPU build and each worker uses one
+CPU thread.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.config import DistConfig
-from poise.runtime.launcher import JOB_KEY_ENV, LAUNCHER_PID_ENV
+from poise.runtime.launcher import JOB_KEY_ENV, LAUNCHER_PID_ENV, PEER_LOST
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +100,21 @@ def launcher_args(dist: DistConfig, config_path: Path | None, module: str = WORK
     return [*args, "-m", module, *(module_args if module_args is not None else ["--config", str(config_path)])]
 
 
+def start_method(dist: DistConfig, gpu_build: bool, cores: int) -> tuple[str, str]:
+    """How this machine's workers start, ``fork`` or ``subprocess``, and why (see the module
+    doc): ``dist.start_method`` unless auto; ``gpu_build``: torch was built with CUDA or ROCm;
+    ``cores``: this machine's CPU cores, which the workers share as :func:`~poise.runtime.dist.threads_for` does."""
+    if dist.start_method != "auto":
+        return dist.start_method, "as set (dist.start_method)"
+    if gpu_build:
+        return "subprocess", "torch has a GPU build, whose runtime a forked worker cannot use once the launcher did"
+    threads = dist.threads_per_worker or max(1, cores // dist.nproc)
+    if threads > 1:
+        return "subprocess", (f"{threads} CPU threads per worker: OpenMP's pool does not survive a fork "
+                              "(dist.threads_per_worker=1 or more workers would allow it)")
+    return "fork", "torch has no GPU build and each worker uses one CPU thread"
+
+
 def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_MODULE, command: str = "train",
            module_args: Sequence[str] | None = None) -> int:
     """Run this machine's workers of ``module`` through torch.distributed.run; returns 0 or 1 (a
@@ -97,6 +122,7 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
     ``module_args`` replace ``--config config_path`` (see :func:`launcher_args`).
     """
     # torch is imported only when a job starts, not for ``poise --help``
+    import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
@@ -119,12 +145,17 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
         os.environ[JOB_KEY_ENV] = secrets.token_hex(16)
     else:
         os.environ.pop(JOB_KEY_ENV, None)
-    watchdog = StoppedWorkerWatchdog(module, grace_s=min(STOPPED_GRACE_S, dist.timeout_s / 2))
+    how, why = start_method(dist, gpu_build=torch.version.cuda is not None or torch.version.hip is not None,
+                            cores=os.cpu_count() or 1)
+    watchdog = StoppedWorkerWatchdog(grace_s=min(STOPPED_GRACE_S, dist.timeout_s / 2))
     try:
         with loopback_rendezvous() if one_machine else _no_store() as port, watchdog:
             argv = launcher_args(dist, config_path, module, module_args, loopback_port=port)
-            log.info("launching: torchrun %s", " ".join(argv))
-            elastic_run(get_args_parser().parse_args(argv))
+            log.info("launching (workers by %s: %s): torchrun %s", how, why, " ".join(argv))
+            if how == "fork":
+                _launch_forked(get_args_parser().parse_args(argv))
+            else:
+                elastic_run(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
         sys.stderr.write(f"poise {command}: {failure_line(exc, watchdog.ended)}\n")
         return 1
@@ -136,6 +167,28 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
     finally:
         _restore_signal_handlers()
     return 0
+
+
+def _launch_forked(args: Any) -> None:
+    """torch.distributed.run's launch of ``args`` (a ``-m MODULE ...`` command line), with the
+    workers forked from this process into :func:`~poise.runtime.launcher.run_forked` instead of
+    started as new interpreters. The module is imported here first, with what it names in its
+    ``FORK_PRELOAD`` (modules it imports later, at a cost to every worker), so that every worker holds them."""
+    import importlib
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    from poise.runtime.launcher import run_forked
+
+    config, _, cmd_args = config_from_args(args)
+    config.start_method = "fork"
+    module, *argv = cmd_args[cmd_args.index("-m") + 1:]
+    for name in (module, *getattr(importlib.import_module(module), "FORK_PRELOAD", ())):
+        importlib.import_module(name)
+    sys.stdout.flush()  # what a child would otherwise write a second time
+    sys.stderr.flush()
+    elastic_launch(config, entrypoint=run_forked)(module, *argv)
 
 
 def _restore_signal_handlers() -> None:
@@ -216,8 +269,6 @@ def _no_store() -> Iterator[None]:
     yield None
 
 
-# a rank's error that only reports that a peer went away: a consequence, not a cause
-PEER_LOST = re.compile(r"connection (reset|closed) by peer|read error|broken pipe", re.IGNORECASE)
 
 
 def root_failure(exc: Any) -> tuple[int, Any]:

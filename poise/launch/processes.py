@@ -1,6 +1,6 @@
 """Process trees: finding every process a job started, and ending them all.
 
-torch's elastic launcher starts each worker in a session of its own, so neither a process
+torch's elastic launcher starts each new-interpreter worker in a session of its own, so neither a process
 group nor a session reaches them from the job's front end: a job is its front end's
 descendants, read from /proc. Used to end a bench job past its time limit and to inject
 faults into a job's workers (``poise bench faults``).
@@ -14,6 +14,8 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+
+from poise.runtime.launcher import worker_rank
 
 
 def descendants(pid: int) -> list[int]:
@@ -39,6 +41,21 @@ def cmdline(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
     except OSError:
         return []
+
+
+def workers(pid: int) -> dict[int, int]:
+    """The poise workers below ``pid``: their pids and global ranks, by the name each worker
+    gives its process (:func:`poise.runtime.launcher.become_worker`), forked or not."""
+    found = {}
+    for child in descendants(pid):
+        try:
+            name = Path(f"/proc/{child}/comm").read_text()
+        except OSError:
+            continue  # gone
+        rank = worker_rank(name)
+        if rank is not None:
+            found[child] = rank
+    return found
 
 
 def signal_all(pids: list[int], sig: int) -> None:

@@ -27,14 +27,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from poise.launch.processes import cmdline, descendants, signal_all
+from poise.launch.processes import signal_all, workers
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class StoppedWorker:
-    """A worker the watchdog ended: its global rank (-1 when unknown), pid, and seconds stopped."""
+    """A worker the watchdog ended: its global rank, pid, and seconds stopped."""
 
     rank: int
     pid: int
@@ -49,25 +49,13 @@ def process_state(pid: int) -> str:
         return ""
 
 
-def worker_rank(pid: int) -> int:
-    """The global rank torch's agent gave worker ``pid`` (its ``RANK``), or -1."""
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return -1
-    for entry in env:
-        if entry.startswith(b"RANK="):
-            value = entry[5:].decode(errors="replace")
-            return int(value) if value.isdigit() else -1
-    return -1
-
-
 class StoppedWorkerWatchdog:
-    """Ends this process's workers of ``module`` that stay stopped for ``grace_s`` seconds (see
-    the module doc); ``ended`` lists them, oldest first. Use as a context manager."""
+    """Ends this process's workers (:func:`~poise.launch.processes.workers`) that stay stopped
+    for ``grace_s`` seconds (see the module doc); ``ended`` lists them, oldest first. Use as a
+    context manager."""
 
-    def __init__(self, module: str, grace_s: float, period_s: float = 0.5) -> None:
-        self.module, self.grace_s, self.period_s = module, grace_s, period_s
+    def __init__(self, grace_s: float, period_s: float = 0.5) -> None:
+        self.grace_s, self.period_s = grace_s, period_s
         self.ended: list[StoppedWorker] = []
         self._since: dict[int, float] = {}
         self._done = threading.Event()
@@ -90,14 +78,14 @@ class StoppedWorkerWatchdog:
 
     def check(self, now: float) -> list[StoppedWorker]:
         """One look at the workers at time ``now`` (seconds, monotonic); returns those ended."""
-        workers = [pid for pid in descendants(os.getpid()) if self.module in cmdline(pid)]
-        stopped = {pid for pid in workers if process_state(pid) == "T"}
+        ranks = workers(os.getpid())
+        stopped = {pid for pid in ranks if process_state(pid) == "T"}
         self._since = {pid: self._since.get(pid, now) for pid in stopped}
         ended = []
         for pid, since in list(self._since.items()):
             if now - since < self.grace_s:
                 continue
-            worker = StoppedWorker(worker_rank(pid), pid, now - since)
+            worker = StoppedWorker(ranks[pid], pid, now - since)
             log.warning("rank %d (pid %d) stopped responding: its process has been stopped for %.0f s "
                         "(SIGSTOP?); ending it so that the job can stop or restart", worker.rank, pid,
                         worker.stopped_s)

@@ -57,6 +57,9 @@ from poise.train.recipe import lr_schedule, lr_warmup, make_optimizer, seed_ever
 
 # By name: run as `-m poise.pipeline.worker`, __name__ would be "__main__", outside "poise".
 log = logging.getLogger("poise.pipeline.worker")
+# what the launcher imports before it forks the workers (poise.launch.elastic): the replicas'
+# DDP imports torch._dynamo, about 2.5 s of CPU in each worker otherwise
+FORK_PRELOAD = ("torch._dynamo",)
 
 
 def profile_micro_batch(layers: list[torch.nn.Module], names: list[str], micro: Batch, *, repeats: int,

@@ -236,6 +236,12 @@ def on_exit(fn: Callable[[], None]) -> None:
     _ON_EXIT.append(fn)
 
 
+def run_exit_hooks() -> None:
+    """Run what was registered with :func:`on_exit`, newest first, once each."""
+    while _ON_EXIT:
+        _ON_EXIT.pop()()
+
+
 def exit_process(code: int) -> None:
     """Flush logs and streams, then end the process with ``code`` and without C++ static
     destructors. Call it once everything is written (atomically, fsync'd) and the process group
@@ -243,8 +249,7 @@ def exit_process(code: int) -> None:
     run intermittently aborts the process ("terminate called without an active exception"),
     which would turn a finished job into a failed one. ``atexit`` handlers do not run; those
     registered with :func:`on_exit` do, newest first."""
-    while _ON_EXIT:
-        _ON_EXIT.pop()()
+    run_exit_hooks()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

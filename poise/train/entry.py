@@ -22,7 +22,7 @@ from poise import config as config_mod
 from poise.config import RunConfig
 from poise.log import setup_logging
 from poise.runtime import dist as rdist
-from poise.runtime.launcher import LAUNCHER_PID_ENV, WORKERS_LOCK, die_with_launcher
+from poise.runtime.launcher import LAUNCHER_PID_ENV, WORKERS_LOCK, become_worker
 
 
 def run_config_job(argv: list[str] | None, prog: str, command: str,
@@ -31,7 +31,7 @@ def run_config_job(argv: list[str] | None, prog: str, command: str,
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--config", required=True, help=f"resolved config written by 'poise {command}'")
     args = parser.parse_args(argv)
-    die_with_launcher()
+    become_worker()
     end_quietly_on_signals()
     config = config_mod.load(args.config)
     if not config.out_dir:

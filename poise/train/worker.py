@@ -12,6 +12,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from poise.train import entry
 from poise.train.loop import train
 
+# what the launcher imports before it forks the workers (poise.launch.elastic): DDP's constructor
+# imports torch._dynamo, about 2.5 s of CPU in each worker otherwise
+FORK_PRELOAD = ("torch._dynamo",)
+
 
 @record
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ import pytest
 from poise import config as cfg
 from poise.checkpoint import directory
 from poise.cli.train import JOB_LOCK
-from poise.launch.processes import descendants, end_tree
+from poise.launch.processes import end_tree, workers
+from poise.runtime.launcher import WORKERS_LOCK
 from tests.conftest import ROOT, run_poise
 
 pytestmark = pytest.mark.e2e
@@ -49,14 +50,16 @@ def _steps(out: Path) -> int:
     return 0
 
 
-def _workers_of(config: Path) -> list[int]:
-    """Processes still running this job's workers (whoever their parent now is)."""
+def _workers_of(out: Path) -> list[int]:
+    """Processes still running this job's workers (whoever their parent now is, forked or not):
+    those holding the output directory's workers' lock open."""
+    lock = str(out / WORKERS_LOCK)
     found = []
-    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
         with contextlib.suppress(OSError):
-            if str(config).encode() in cmd.read_bytes() and b"poise.train.worker" in cmd.read_bytes():
-                found.append(int(cmd.parent.name))
-    return found
+            if os.readlink(fd) == lock:
+                found.append(int(fd.parent.parent.name))
+    return sorted(set(found))
 
 
 @pytest.mark.timeout(200)
@@ -118,12 +121,15 @@ def test_an_out_on_a_read_only_file_system_is_one_line(tmp_path):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_the_job_in_one_line_and_releases_everything(tmp_path, sig, code):
+# workers forked from the command (this machine's default) and started as new interpreters
+@pytest.mark.parametrize(("sig", "code", "start"), [(signal.SIGINT, 130, "fork"), (signal.SIGTERM, 143, "subprocess")],
+                         ids=["SIGINT-fork", "SIGTERM-subprocess"])
+def test_a_signal_stops_the_job_in_one_line_and_releases_everything(tmp_path, sig, code, start):
     out = tmp_path / "out"
-    proc, log = _start(out, "--steps", "400")
+    proc, log = _start(out, "--steps", "400", "--dist.start_method", start)
     try:
         _wait_for(lambda: _steps(out) >= 2, proc, "its second step")
+        assert len(_workers_of(out)) == 2
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == code
     finally:
@@ -132,7 +138,8 @@ def test_a_signal_stops_the_job_in_one_line_and_releases_everything(tmp_path, si
     text = log.read_text()
     assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
     assert f"poise train: stopped by {sig.name}" in text.strip().splitlines()[-1]
-    assert not _workers_of(out / "config.toml")
+    assert f"launching (workers by {start}: as set" in text
+    assert not _workers_of(out)
     directory.lock(out, wait_s=0.0, name=JOB_LOCK)  # released: raises if anyone still held it
     directory.unlock(out, JOB_LOCK)
 
@@ -143,9 +150,7 @@ def test_a_stopped_rank_is_named_as_stopped_soon(tmp_path):
     proc, log = _start(out, "--steps", "400", "--dist.timeout_s", "60")
     try:
         _wait_for(lambda: _steps(out) >= 2, proc, "its second step")
-        worker = next(pid for pid in descendants(proc.pid)
-                      if b"RANK=1\0" in Path(f"/proc/{pid}/environ").read_bytes()
-                      and b"poise.train.worker" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        worker = next(pid for pid, rank in workers(proc.pid).items() if rank == 1)
         os.kill(worker, signal.SIGSTOP)
         assert proc.wait(timeout=150) == 1
     finally:
@@ -163,16 +168,17 @@ def test_killing_the_command_outright_ends_its_workers_and_frees_the_directory(t
     proc, _ = _start(out, "--steps", "400")
     try:
         _wait_for(lambda: _steps(out) >= 2, proc, "its second step")
+        assert len(_workers_of(out)) == 2
         proc.kill()
         proc.wait(timeout=60)
         for _ in range(300):  # polls of 0.1 s: the kernel ends them as their parent dies
-            if not _workers_of(out / "config.toml"):
+            if not _workers_of(out):
                 break
             time.sleep(0.1)
     finally:
         if proc.poll() is None:
             end_tree(proc)
-    assert not _workers_of(out / "config.toml"), "workers outlived their command"
+    assert not _workers_of(out), "workers outlived their command"
     assert not (out / "report.json").exists()
     from poise.cli.train import own_out_dir
 

@@ -42,6 +42,7 @@ def test_precedence_defaults_file_flags(tmp_path):
         (["--batch-tokens", "100"], "below task.max_seq_len"),
         (["--task.d_model", "100", "--task.num_heads", "3"], "not divisible"),
         (["--nnodes", "0"], "dist.nnodes='0'"),
+        (["--dist.start_method", "spawn"], "dist.start_method='spawn' is unknown: allowed are auto, fork, subprocess"),
         (["--balance", "magic"], "balance.strategy='magic' is unknown: allowed are auto, static, cost, dynamic"),
         (["--rank-speed", "1:1.5"], "speed '1.5' of rank 1 is outside [0.01, 1]"),
         (["--rank-speed", "fast"], "balance.rank_speed item 'fast' is invalid"),

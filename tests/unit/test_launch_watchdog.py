@@ -1,5 +1,5 @@
-"""A stopped worker is named as stopped, not as killed (issue 46, item 10), and the fault bench
-kills only its own emulated nodes."""
+"""A stopped worker is named as stopped, not as killed (issue 46, item 10), the fault bench
+kills only its own emulated nodes, and workers are forked only where that is safe."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from poise.bench.faults import job_namespaces
-from poise.launch.elastic import failure_line
+from poise.config import DistConfig
+from poise.launch.elastic import failure_line, start_method
 from poise.launch.watchdog import StoppedWorkerWatchdog, process_state
 
 
@@ -26,12 +28,18 @@ def _failure(rank: int, pid: int, exitcode: int, message: str, timestamp: int) -
 
 
 def test_the_watchdog_ends_a_worker_stopped_past_its_grace_and_names_its_rank():
-    marker = "poise-watchdog-test-worker"
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker],
-                            env={**os.environ, "RANK": "1"})
+    # a worker by its name (what every poise worker calls first), whatever its command line
+    code = "import time; from poise.runtime.launcher import become_worker; become_worker(); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": "1"})
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, "RANK": "0"})
     try:
-        watchdog = StoppedWorkerWatchdog(marker, grace_s=5.0)
+        watchdog = StoppedWorkerWatchdog(grace_s=5.0)
+        for _ in range(200):  # until it has named itself; polls of 0.05 s
+            if Path(f"/proc/{proc.pid}/comm").read_text().strip() == "poise rank 1":
+                break
+            time.sleep(0.05)
         assert watchdog.check(0.0) == []  # running: nothing to do
+        os.kill(bystander.pid, signal.SIGSTOP)  # not a worker: left alone
         os.kill(proc.pid, signal.SIGSTOP)
         for _ in range(100):  # the stop takes effect asynchronously; polls of 0.05 s
             if process_state(proc.pid) == "T":
@@ -42,9 +50,11 @@ def test_the_watchdog_ends_a_worker_stopped_past_its_grace_and_names_its_rank():
         ended = watchdog.check(105.0)
         assert [(w.rank, w.pid, w.stopped_s) for w in ended] == [(1, proc.pid, 5.0)]
         assert proc.wait(timeout=30) == -signal.SIGKILL
+        assert process_state(bystander.pid) == "T"
     finally:
-        proc.kill()
-        proc.wait()
+        for p in (proc, bystander):
+            p.kill()  # SIGKILL ends a stopped process too
+            p.wait()
 
 
 def test_a_stopped_rank_is_named_as_stopped_not_as_killed():
@@ -78,3 +88,18 @@ def test_a_collective_timeout_before_the_kill_names_the_waiting_rank_and_the_col
 ])
 def test_the_node_fault_kills_only_the_namespaces_of_the_bench_s_own_job(names, want):
     assert job_namespaces(123, 1, names) == want
+
+
+@pytest.mark.parametrize(("setting", "gpu_build", "cores", "nproc", "threads", "want"), [
+    ("auto", False, 2, 2, 0, "fork"),  # this machine: one thread per worker
+    ("auto", False, 16, 2, 0, "subprocess"),  # 8 threads each: OpenMP's pool does not survive a fork
+    ("auto", False, 16, 2, 1, "fork"),  # pinned to one thread each
+    ("auto", True, 2, 2, 0, "subprocess"),  # a CUDA build: its runtime does not survive a fork
+    ("fork", True, 16, 2, 0, "fork"),  # as set
+    ("subprocess", False, 2, 2, 0, "subprocess"),
+])
+def test_workers_are_forked_only_where_it_is_safe_or_set(setting, gpu_build, cores, nproc, threads, want):
+    dist = DistConfig(start_method=setting, nproc=nproc, threads_per_worker=threads)
+    how, why = start_method(dist, gpu_build=gpu_build, cores=cores)
+    assert how == want and why
+

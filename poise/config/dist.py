@@ -10,6 +10,11 @@ from poise.config.fields import check_finite, check_positive, setting
 
 BACKENDS = ("auto", "gloo", "nccl")
 START_METHODS = ("auto", "fork", "subprocess")
+# torch's c10d/etcd rendezvous options (torchrun's --rdzv-conf) in whole seconds or counts;
+# is_host has a setting of its own (rdzv_is_host)
+RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "read_timeout", "keep_alive_interval",
+                  "keep_alive_max_attempt")
+MAX_RDZV_CONF_VALUE = 7 * 24 * 3600
 # More local workers than this on one machine is almost certainly a typo (e.g. 1000 for 10).
 MAX_LOCAL_WORKERS = 64
 MAX_TIMEOUT_S = 7 * 24 * 3600
@@ -32,6 +37,11 @@ class DistConfig:
     threads_per_worker: int = setting(0, "torch CPU threads per worker (0 = cores / workers on this machine)")
     local_addr: str = setting(
         "", "address of this machine that the agent and workers use for the rendezvous ('' = its hostname's)"
+    )
+    rdzv_conf: str = setting(
+        "", "rendezvous options as torchrun's --rdzv-conf, KEY=N,...: last_call_timeout (seconds an elastic job "
+        "waits for more machines once it has enough; torch's default 30), join_timeout, close_timeout, "
+        "read_timeout, keep_alive_interval (seconds), keep_alive_max_attempt"
     )
     rdzv_is_host: bool | None = setting(
         None, "whether this machine's agent hosts the c10d rendezvous store (unset = when the endpoint is its own)"
@@ -83,9 +93,15 @@ class DistConfig:
             raise ValueError(
                 f"dist.socket_ifname={self.socket_ifname!r} is invalid: give an interface name of 1-15 characters"
             )
-        if not self.rdzv_endpoint and (self.local_addr or self.rdzv_is_host is not None):
-            raise ValueError("dist.local_addr and dist.rdzv_is_host only apply to multi-node jobs: "
+        if not self.rdzv_endpoint and (self.local_addr or self.rdzv_is_host is not None or self.rdzv_conf):
+            raise ValueError("dist.local_addr, dist.rdzv_is_host and dist.rdzv_conf only apply to multi-node jobs: "
                              "set dist.rdzv_endpoint=HOST:PORT as well")
+        for item in filter(None, self.rdzv_conf.split(",")):
+            key, _, value = item.partition("=")
+            if key.strip() not in RDZV_CONF_KEYS or not value.strip().isdigit() or \
+                    not 0 < int(value) <= MAX_RDZV_CONF_VALUE:
+                raise ValueError(f"dist.rdzv_conf item {item[:40]!r} is invalid: give KEY=N with N from 1 to "
+                                 f"{MAX_RDZV_CONF_VALUE} and KEY one of {', '.join(RDZV_CONF_KEYS)}")
 
 
 # Settings that differ from machine to machine in one job: left out of the config hash that

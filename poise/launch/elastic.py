@@ -88,8 +88,10 @@ def launcher_args(dist: DistConfig, config_path: Path | None, module: str = WORK
             args.append(f"--node-rank={dist.node_rank}")
         if dist.local_addr:
             args.append(f"--local-addr={dist.local_addr}")
-        if dist.rdzv_is_host is not None:
-            args.append(f"--rdzv-conf=is_host={int(dist.rdzv_is_host)}")
+        conf = [f"is_host={int(dist.rdzv_is_host)}"] if dist.rdzv_is_host is not None else []
+        conf += [item.replace(" ", "") for item in dist.rdzv_conf.split(",") if item.strip()]
+        if conf:
+            args.append(f"--rdzv-conf={','.join(conf)}")
     elif dist.nnodes != "1":
         raise ValueError(f"dist.nnodes={dist.nnodes!r} needs dist.rdzv_endpoint=HOST:PORT for the rendezvous")
     elif loopback_port is not None:

@@ -216,7 +216,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.timeout(300)  # a collective timeout (10 s) and torchrun's re-rendezvous (~40 s) included
+@pytest.mark.timeout(300)  # a collective timeout (10 s) and the re-rendezvous's last call (10 s) included
 def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
     """torchrun's own membership change: two one-worker "nodes" join a ``--nnodes 1:2`` job on
     loopback; one of them dies whole (agent and worker, as a machine would), and the other
@@ -228,6 +228,9 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
     out = tmp_path / "out"  # shared by both nodes, as a cluster's shared file system would be
     job = [sys.executable, "-m", "poise", "train", "--task", "digits", "--nproc", "1", "--nnodes", "1:2",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist.rdzv_id", "elastic-test", "--epochs", "2",
+           # the survivor waits 10 s (torch's default: 30 s) for more machines once it has enough: long
+           # enough for both nodes to meet at the start on a loaded machine
+           "--dist.rdzv_conf", "last_call_timeout=10",
            "--batch-size", "32", "--checkpoint-every", "5", "--max-restarts", "1", "--dist.timeout_s", "10",
            "--rank-speed", "0:0.2", "--balance.slowdown_method", "sleep",  # ~10 steps a second
            "--diagnostics.record_samples", "true", "--diagnostics.progress", "false", "--diagnostics.plot", "false",

@@ -132,6 +132,20 @@ def test_launcher_args_place_the_agent_on_its_address():
         assert expected in args
     host = launcher_args(cfg.DistConfig(nnodes="2", rdzv_endpoint="h:1", rdzv_is_host=True), Path("c.toml"))
     assert "--rdzv-conf=is_host=1" in host and not any(a.startswith("--local-addr") for a in host)
+    elastic = cfg.DistConfig(nnodes="1:2", rdzv_endpoint="h:1", rdzv_is_host=True,
+                             rdzv_conf="last_call_timeout=2, keep_alive_interval=1")
+    assert "--rdzv-conf=is_host=1,last_call_timeout=2,keep_alive_interval=1" in launcher_args(elastic, Path("c.toml"))
+
+
+@pytest.mark.parametrize(("conf", "endpoint", "needle"), [
+    ("last_call=2", "h:1", "dist.rdzv_conf item 'last_call=2' is invalid: give KEY=N"),
+    ("last_call_timeout=0", "h:1", "item 'last_call_timeout=0' is invalid"),
+    ("join_timeout=1e9", "h:1", "item 'join_timeout=1e9' is invalid"),
+    ("last_call_timeout=2", "", "dist.rdzv_conf only apply to multi-node jobs"),
+])
+def test_bad_rendezvous_options_are_refused(conf, endpoint, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        cfg.DistConfig(nnodes="1:2", rdzv_endpoint=endpoint, rdzv_conf=conf)
 
 
 def test_node_local_settings_stay_out_of_the_config_hash():

@@ -173,7 +173,7 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
 
 def _launch_forked(args: Any) -> None:
     """torch.distributed.run's launch of ``args`` (a ``-m MODULE ...`` command line), with the
-    workers forked from this process into :func:`~poise.runtime.launcher.run_forked` instead of
+    workers forked from this process into :func:`~poise.runtime.dist.run_forked` instead of
     started as new interpreters. The module is imported here first, with what it names in its
     ``FORK_PRELOAD`` (modules it imports later, at a cost to every worker), so that every worker holds them."""
     import importlib
@@ -181,7 +181,7 @@ def _launch_forked(args: Any) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
-    from poise.runtime.launcher import run_forked
+    from poise.runtime.dist import run_forked
 
     config, _, cmd_args = config_from_args(args)
     config.start_method = "fork"

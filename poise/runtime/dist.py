@@ -10,9 +10,11 @@ workers that were handed different settings stop at once with a clear message.
 from __future__ import annotations
 
 import atexit
+import importlib
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from poise.config import DistConfig, RunConfig, config_hash
-from poise.runtime.launcher import die_with_launcher, job_key
+from poise.runtime.launcher import CONSEQUENCE_DELAY_S, PEER_LOST, die_with_launcher, job_key
 
 log = logging.getLogger(__name__)
 
@@ -254,3 +256,35 @@ def exit_process(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_forked(module: str, *argv: str) -> int:
+    """The workers' entry point when the launcher forks them (``dist.start_method`` fork): what
+    ``python -m module ARGV`` runs, in a process that already holds torch and ``module``.
+
+    A forked worker starts with its launcher's state, and is given what a new interpreter would
+    have: default handlers for the signals torch's agent catches (the agent's own would raise
+    its SignalException here), and the CPU threads that ``OMP_NUM_THREADS`` names, which torch
+    read when the launcher imported it. It ends by returning to torch's agent (which waits for
+    the value), after what the worker registered to undo at exit
+    (:func:`on_exit`); the process then ends without C++ static destructors,
+    as :func:`exit_process` ends a worker started as a new interpreter.
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    try:
+        return importlib.import_module(module).main(list(argv))
+    except Exception as exc:
+        if PEER_LOST.search(str(exc)):
+            # Only a consequence: torch's agent names the first forked worker it finds failed
+            # (torch.multiprocessing's join), polling every half second. Leaving a second
+            # later lets it find the rank that caused this one (killed, stopped or failed) first.
+            time.sleep(CONSEQUENCE_DELAY_S)
+        raise
+    finally:
+        run_exit_hooks()
+        sys.stdout.flush()
+        sys.stderr.flush()

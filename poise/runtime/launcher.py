@@ -13,7 +13,7 @@ plain ``torchrun``) has no such variable and is left alone.
 
 Every worker names its process after its rank (:func:`become_worker`), so that the launcher's
 watchdog and the fault injector find it whether it was forked or started as
-``python -m MODULE``; :func:`run_forked` is the entry point of a forked one.
+``python -m MODULE`` (:func:`poise.runtime.dist.run_forked` is the entry point of a forked one).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import re
 import signal
 import sys
-import time
 
 # the pid of the process that starts the workers (torch's agent inside a ``poise`` command),
 # set by :func:`poise.launch.elastic.launch` and inherited by the workers
@@ -48,7 +47,7 @@ _PR_SET_NAME = 15
 WORKER_NAME = "poise rank {rank}"
 # a rank's error that only reports that a peer went away: a consequence, not a cause
 PEER_LOST = re.compile(r"connection (reset|closed) by peer|read error|broken pipe", re.IGNORECASE)
-# seconds a forked worker whose error is PEER_LOST waits before it fails (:func:`run_forked`):
+# seconds a forked worker whose error is PEER_LOST waits before it fails (poise.runtime.dist.run_forked):
 # twice the launcher's monitor interval (poise.launch.elastic)
 CONSEQUENCE_DELAY_S = 1.0
 
@@ -98,40 +97,3 @@ def worker_rank(name: str) -> int | None:
     rest = name.strip().removeprefix(prefix)
     return int(rest) if rest != name.strip() and rest.isdigit() else None
 
-
-def run_forked(module: str, *argv: str) -> int:
-    """The workers' entry point when the launcher forks them (``dist.start_method`` fork): what
-    ``python -m module ARGV`` runs, in a process that already holds torch and ``module``.
-
-    A forked worker starts with its launcher's state, and is given what a new interpreter would
-    have: default handlers for the signals torch's agent catches (the agent's own would raise
-    its SignalException here), and the CPU threads that ``OMP_NUM_THREADS`` names, which torch
-    read when the launcher imported it. It ends by returning to torch's agent (which waits for
-    the value), after what the worker registered to undo at exit
-    (:func:`poise.runtime.dist.on_exit`); the process then ends without C++ static destructors,
-    as :func:`poise.runtime.dist.exit_process` ends a worker started as a new interpreter.
-    """
-    import importlib
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
-    from poise.runtime import dist as rdist
-
-    try:
-        return importlib.import_module(module).main(list(argv))
-    except Exception as exc:
-        if PEER_LOST.search(str(exc)):
-            # Only a consequence: torch's agent names the first forked worker it finds failed
-            # (torch.multiprocessing's join), polling every half second. Leaving a second
-            # later lets it find the rank that caused this one (killed, stopped or failed) first.
-            time.sleep(CONSEQUENCE_DELAY_S)
-        raise
-    finally:
-        rdist.run_exit_hooks()
-        sys.stdout.flush()
-        sys.stderr.flush()

@@ -14,12 +14,12 @@ nothing left over from an earlier test, but none of them imports torch again (se
 on a loaded 2-core machine, for each of the tier's ~80 worlds). A rank takes the parent's
 environment as it is at the call (the fork server's is the one of its own start).
 
-``run_cli(args, cwd=..., env=..., timeout_s=...)`` runs the ``poise`` command the same way: a
-process forked from that server runs ``poise.cli.main(args)`` with its own environment, working
-directory and output files, and returns what ``subprocess.run`` would. Everything below the
-command is the real thing (torch's elastic agent starting fresh worker interpreters); only the
-command's own interpreter start and imports (about 4 s of CPU per job, ~250 jobs in the e2e and
-docs tiers) are saved.
+``run_cli(args, cwd=..., env=..., timeout_s=...)`` runs the ``poise`` command (or, with
+``program="torchrun"``, torchrun) the same way: a process forked from that server runs
+``poise.cli.main(args)`` with its own environment, working directory and output files, and
+returns what ``subprocess.run`` would. Everything below the command is the real thing (torch's
+elastic agent starting its workers, as the command would); only the command's own interpreter
+start and imports (about 4 s of CPU per job, ~250 jobs in the e2e and docs tiers) are saved.
 """
 
 from __future__ import annotations
@@ -125,8 +125,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, timeout_s: float = 60.0, 
     return [out[r] for r in range(world_size)]
 
 
-def _cli_child(args: list[str], cwd: str, environ: dict[str, str], out_path: str, err_path: str) -> None:
-    """The ``poise`` command in a forked process, as ``python -m poise ARGS`` would run it."""
+def _cli_child(program: str, args: list[str], cwd: str, environ: dict[str, str], out_path: str,
+               err_path: str) -> None:
+    """The ``poise`` or ``torchrun`` command in a forked process, as ``python -m poise ARGS`` or
+    ``python -m torch.distributed.run ARGS`` would run it."""
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -134,11 +136,17 @@ def _cli_child(args: list[str], cwd: str, environ: dict[str, str], out_path: str
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(opened, fd)
         os.close(opened)
-    sys.argv = ["poise", *args]
+    sys.argv = [program, *args]
     try:
-        from poise.cli import main
+        if program == "poise":
+            from poise.cli import main
 
-        code = main(args)
+            code = main(args)
+        else:
+            from torch.distributed.run import main as torchrun
+
+            torchrun(args)  # a worker's failure raises (ChildFailedError), as torchrun's own exit 1
+            code = 0
     except SystemExit as exc:  # argparse's exit 2, or a command's sys.exit
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
         if isinstance(exc.code, str):
@@ -152,16 +160,19 @@ def _cli_child(args: list[str], cwd: str, environ: dict[str, str], out_path: str
 
 
 def run_cli(args: list[str], *, cwd: str | os.PathLike[str], env: dict[str, str] | None = None,
-            timeout_s: float = 240.0) -> subprocess.CompletedProcess[str]:
-    """Run ``poise ARGS`` in a process forked from the warm server (see the module doc): its exit
-    code, stdout and stderr as text. On ``timeout_s`` (seconds) the command and everything below it
-    are killed and ``subprocess.TimeoutExpired`` is raised, as ``subprocess.run`` does."""
+            timeout_s: float = 240.0, program: str = "poise") -> subprocess.CompletedProcess[str]:
+    """Run ``poise ARGS`` (or ``torchrun ARGS`` with ``program="torchrun"``: the workers it
+    starts are new interpreters, as under a user's torchrun) in a process forked from the warm
+    server (see the module doc): its exit code, stdout and stderr as text. On ``timeout_s``
+    (seconds) the command and everything below it are killed and ``subprocess.TimeoutExpired``
+    is raised, as ``subprocess.run`` does."""
     from poise.launch.processes import descendants, signal_all
 
     environ = dict(os.environ if env is None else env)
     with tempfile.TemporaryDirectory(prefix="poise-cli-") as tmp:
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = _context().Process(target=_cli_child, args=(list(args), str(cwd), environ, out_path, err_path))
+        proc = _context().Process(target=_cli_child, args=(program, list(args), str(cwd), environ, out_path,
+                                                           err_path))
         proc.start()
         timed_out = False
         try:
@@ -173,7 +184,7 @@ def run_cli(args: list[str], *, cwd: str | os.PathLike[str], env: dict[str, str]
                 proc.join(10)
         stdout, stderr = (Path(p).read_text(errors="replace") if os.path.exists(p) else ""
                           for p in (out_path, err_path))
-    command = ["poise", *args]
+    command = [program, *args]
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout_s, stdout, stderr)
     return subprocess.CompletedProcess(command, proc.exitcode, stdout, stderr)

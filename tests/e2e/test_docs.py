@@ -465,11 +465,12 @@ SHELL_SYNTAX = re.compile(r"[|&;<>$`*?()\\\n]")
 
 
 def run_text(text: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run one command of a page: a plain ``poise ...`` in a process forked from the tests' warm
-    server (:func:`tests.harness.run_cli`: the same command, without its interpreter's start), any
-    other through bash."""
-    if text.startswith("poise ") and not SHELL_SYNTAX.search(text):
-        return run_cli(shlex.split(text)[1:], cwd=cwd, env=env, timeout_s=COMMAND_TIMEOUT_S)
+    """Run one command of a page: a plain ``poise ...`` or ``torchrun ...`` in a process forked
+    from the tests' warm server (:func:`tests.harness.run_cli`: the same command, without its
+    interpreter's start), any other through bash."""
+    program = text.split(" ", 1)[0]
+    if program in ("poise", "torchrun") and not SHELL_SYNTAX.search(text):
+        return run_cli(shlex.split(text)[1:], cwd=cwd, env=env, timeout_s=COMMAND_TIMEOUT_S, program=program)
     return subprocess.run(["bash", "-c", text], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=COMMAND_TIMEOUT_S)
 

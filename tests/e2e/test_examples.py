@@ -7,12 +7,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.harness import run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -22,8 +22,8 @@ EXAMPLES = ROOT / "examples"
 def torchrun(script: Path, *args: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
     """``torchrun --nproc-per-node 2 --standalone script args`` in a subprocess, bounded."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                           str(script), *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+    return run_cli(["--nproc-per-node", "2", "--standalone", str(script), *args], cwd=ROOT, env=env,
+                   timeout_s=timeout_s, program="torchrun")
 
 
 def test_adding_poise_to_the_plain_script_changes_at_most_ten_lines():

@@ -12,12 +12,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.harness import run_cli
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -29,9 +29,8 @@ TIMEOUT_S = 120
 
 def _run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                           str(SCRIPT), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env=env)
+    return run_cli(["--nproc-per-node", "2", "--standalone", str(SCRIPT), "--out", str(out), *args], cwd=ROOT,
+                   env=env, timeout_s=TIMEOUT_S, program="torchrun")
 
 
 def test_hf_loss_gets_its_exact_gradient_without_a_count_and_mistakes_are_refused(tmp_path):

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 from tests.conftest import ROOT
 from tests.e2e.scripts import toy
+from tests.harness import run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -26,11 +25,8 @@ TIMEOUT_S = 120
 def _launch(script: str, out: Path, *args: str) -> dict:
     """Run ``script`` on 2 ranks (bounded); its report.json, after checking the other outputs."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         str(SCRIPTS / script), "--out", str(out), *args],
-        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env=env,
-    )
+    proc = run_cli(["--nproc-per-node", "2", "--standalone", str(SCRIPTS / script), "--out", str(out), *args],
+                   cwd=ROOT, env=env, timeout_s=TIMEOUT_S, program="torchrun")
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     assert (out / "trace.json").is_file() and (out / "timeline.png").stat().st_size > 1000

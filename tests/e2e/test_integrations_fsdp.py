@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 
 from tests.conftest import ROOT
 from tests.e2e.scripts import toy
-from tests.harness import run_ranks
+from tests.harness import run_cli, run_ranks
 
 pytestmark = pytest.mark.e2e
 
@@ -31,11 +29,8 @@ def _launch(script: str, out: Path, *args: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("ACCELERATE_USE_FSDP", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         str(SCRIPTS / script), "--out", str(out), *args],
-        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT, env=env,
-    )
+    proc = run_cli(["--nproc-per-node", "2", "--standalone", str(SCRIPTS / script), "--out", str(out), *args],
+                   cwd=ROOT, env=env, timeout_s=TIMEOUT_S, program="torchrun")
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

@@ -6,14 +6,13 @@ import itertools
 import json
 import platform
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from poise import config as cfg
 from tests.conftest import ROOT, run_poise
+from tests.harness import run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -69,11 +68,8 @@ def test_plain_torchrun_runs_the_same_worker(digits_run, tmp_path):
     data["out_dir"] = str(tmp_path)
     data["train"]["steps"] = 5
     path = cfg.save(cfg.from_dict(data), tmp_path / "config.toml")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "poise.train.worker", "--config", str(path)],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )
+    proc = run_cli(["--standalone", "--nproc-per-node=2", "-m", "poise.train.worker", "--config", str(path)],
+                   cwd=ROOT, timeout_s=180, program="torchrun")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _report(tmp_path)["steps"] == 5
 

@@ -271,8 +271,6 @@ def _no_store() -> Iterator[None]:
     yield None
 
 
-
-
 def root_failure(exc: Any) -> tuple[int, Any]:
     """The failure that caused the others: a rank killed by SIGKILL first, then by another signal
     than the launcher's own SIGTERM, then one whose error is not a peer's loss, then the first.

@@ -1,8 +1,8 @@
 """Process trees: finding every process a job started, and ending them all.
 
-torch's elastic launcher starts each new-interpreter worker in a session of its own, so neither a process
-group nor a session reaches them from the job's front end: a job is its front end's
-descendants, read from /proc. Used to end a bench job past its time limit and to inject
+torch's elastic launcher starts each new-interpreter worker in a session of its own, so
+neither a process group nor a session reaches them from the job's front end: a job is its
+front end's descendants, read from /proc. Used to end a bench job past its time limit and to inject
 faults into a job's workers (``poise bench faults``).
 """
 

@@ -58,6 +58,11 @@ class DistConfig:
         "share of the machine's memory; unset = when training on the CPU)"
     )
 
+    def worker_threads(self, cores: int, workers_on_machine: int) -> int:
+        """CPU threads per worker: ``threads_per_worker``, or ``cores`` shared evenly by the
+        machine's ``workers_on_machine`` workers (at least 1)."""
+        return self.threads_per_worker or max(1, cores // max(1, workers_on_machine))
+
     def __post_init__(self) -> None:
         check_finite("dist", self)
         check_positive("dist", "nproc", self.nproc, allow_none=False)

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from poise.config import DistConfig
-from poise.runtime.launcher import JOB_KEY_ENV, LAUNCHER_PID_ENV, PEER_LOST
+from poise.runtime.launcher import JOB_KEY_ENV, LAUNCHER_PID_ENV, MONITOR_INTERVAL_S, PEER_LOST
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def launcher_args(dist: DistConfig, config_path: Path | None, module: str = WORK
         ValueError: ``dist.nnodes`` is not 1 and there is no ``dist.rdzv_endpoint``.
     """
     args = [f"--nproc-per-node={dist.nproc}", f"--nnodes={dist.nnodes}", f"--max-restarts={dist.max_restarts}",
-            "--monitor-interval=0.5"]
+            f"--monitor-interval={MONITOR_INTERVAL_S}"]
     if dist.rdzv_endpoint:
         args += [f"--rdzv-backend={dist.rdzv_backend}", f"--rdzv-endpoint={dist.rdzv_endpoint}",
                  f"--rdzv-id={dist.rdzv_id}"]
@@ -102,18 +102,26 @@ def launcher_args(dist: DistConfig, config_path: Path | None, module: str = WORK
     return [*args, "-m", module, *(module_args if module_args is not None else ["--config", str(config_path)])]
 
 
-def start_method(dist: DistConfig, gpu_build: bool, cores: int) -> tuple[str, str]:
-    """How this machine's workers start, ``fork`` or ``subprocess``, and why (see the module
-    doc): ``dist.start_method`` unless auto; ``gpu_build``: torch was built with CUDA or ROCm;
-    ``cores``: this machine's CPU cores, which the workers share as :func:`~poise.runtime.dist.threads_for` does."""
-    if dist.start_method != "auto":
-        return dist.start_method, "as set (dist.start_method)"
+def fork_risk(dist: DistConfig, gpu_build: bool, cores: int) -> str:
+    """Why forking this machine's workers is unsafe (see the module doc), '' when it is safe:
+    ``gpu_build``: torch was built with CUDA or ROCm; ``cores``: this machine's CPU cores, shared
+    by its ``dist.nproc`` workers (:meth:`~poise.config.DistConfig.worker_threads`)."""
     if gpu_build:
-        return "subprocess", "torch has a GPU build, whose runtime a forked worker cannot use once the launcher did"
-    threads = dist.threads_per_worker or max(1, cores // dist.nproc)
+        return "torch has a GPU build, whose runtime a forked worker cannot use once the launcher did"
+    threads = dist.worker_threads(cores, dist.nproc)
     if threads > 1:
-        return "subprocess", (f"{threads} CPU threads per worker: OpenMP's pool does not survive a fork "
-                              "(dist.threads_per_worker=1 or more workers would allow it)")
+        return (f"{threads} CPU threads per worker: OpenMP's pool does not survive a fork "
+                "(dist.threads_per_worker=1 or more workers would allow it)")
+    return ""
+
+
+def start_method(setting: str, risk: str) -> tuple[str, str]:
+    """How the workers start, ``fork`` or ``subprocess``, and why: ``setting``
+    (``dist.start_method``) unless auto, which forks where :func:`fork_risk` found no ``risk``."""
+    if setting != "auto":
+        return setting, "as set (dist.start_method)"
+    if risk:
+        return "subprocess", risk
     return "fork", "torch has no GPU build and each worker uses one CPU thread"
 
 
@@ -147,8 +155,12 @@ def launch(dist: DistConfig, config_path: Path | None, *, module: str = WORKER_M
         os.environ[JOB_KEY_ENV] = secrets.token_hex(16)
     else:
         os.environ.pop(JOB_KEY_ENV, None)
-    how, why = start_method(dist, gpu_build=torch.version.cuda is not None or torch.version.hip is not None,
-                            cores=os.cpu_count() or 1)
+    risk = fork_risk(dist, gpu_build=torch.version.cuda is not None or torch.version.hip is not None,
+                     cores=os.cpu_count() or 1)
+    how, why = start_method(dist.start_method, risk)
+    if how == "fork" and risk:
+        log.warning("workers forked as set (dist.start_method=fork), though %s: a worker may hang or fail; "
+                    "dist.start_method=auto would start them as new interpreters here", risk)
     watchdog = StoppedWorkerWatchdog(grace_s=min(STOPPED_GRACE_S, dist.timeout_s / 2))
     try:
         with loopback_rendezvous() if one_machine else _no_store() as port, watchdog:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from poise.config import DistConfig, RunConfig, config_hash
-from poise.runtime.launcher import CONSEQUENCE_DELAY_S, PEER_LOST, die_with_launcher, job_key
+from poise.runtime.launcher import MONITOR_INTERVAL_S, PEER_LOST, die_with_launcher, job_key
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +166,7 @@ def check_config_agreement(config: RunConfig, ctx: DistContext) -> None:
 def threads_for(config: RunConfig, local_world_size: int) -> int:
     """CPU threads per worker: the configured number, or this machine's cores shared evenly by
     its workers: ``local_world_size`` per node, and all nodes of an emulated cluster share it."""
-    if config.dist.threads_per_worker:
-        return config.dist.threads_per_worker
-    workers_on_machine = local_world_size * max(1, config.cluster.nodes)
-    return max(1, (os.cpu_count() or 1) // max(1, workers_on_machine))
+    return config.dist.worker_threads(os.cpu_count() or 1, local_world_size * max(1, config.cluster.nodes))
 
 
 def close(*, synchronize: bool) -> None:
@@ -280,9 +277,9 @@ def run_forked(module: str, *argv: str) -> int:
     except Exception as exc:
         if PEER_LOST.search(str(exc)):
             # Only a consequence: torch's agent names the first forked worker it finds failed
-            # (torch.multiprocessing's join), polling every half second. Leaving a second
-            # later lets it find the rank that caused this one (killed, stopped or failed) first.
-            time.sleep(CONSEQUENCE_DELAY_S)
+            # (torch.multiprocessing's join), polling every MONITOR_INTERVAL_S. Leaving two
+            # polls later lets it find the rank that caused this one (killed, stopped or failed) first.
+            time.sleep(2 * MONITOR_INTERVAL_S)
         raise
     finally:
         run_exit_hooks()

@@ -47,9 +47,10 @@ _PR_SET_NAME = 15
 WORKER_NAME = "poise rank {rank}"
 # a rank's error that only reports that a peer went away: a consequence, not a cause
 PEER_LOST = re.compile(r"connection (reset|closed) by peer|read error|broken pipe", re.IGNORECASE)
-# seconds a forked worker whose error is PEER_LOST waits before it fails (poise.runtime.dist.run_forked):
-# twice the launcher's monitor interval (poise.launch.elastic)
-CONSEQUENCE_DELAY_S = 1.0
+# seconds between torch's agent's looks at its workers (torchrun's --monitor-interval, as poise's
+# launcher sets it); a forked worker whose error is PEER_LOST fails two of them later
+# (poise.runtime.dist.run_forked)
+MONITOR_INTERVAL_S = 0.5
 
 
 def job_key() -> str:

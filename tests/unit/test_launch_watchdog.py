@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from poise.bench.faults import job_namespaces
 from poise.config import DistConfig
-from poise.launch.elastic import failure_line, start_method
+from poise.launch.elastic import failure_line, fork_risk, start_method
 from poise.launch.watchdog import StoppedWorkerWatchdog, process_state
 
 
@@ -90,16 +90,16 @@ def test_the_node_fault_kills_only_the_namespaces_of_the_bench_s_own_job(names, 
     assert job_namespaces(123, 1, names) == want
 
 
-@pytest.mark.parametrize(("setting", "gpu_build", "cores", "nproc", "threads", "want"), [
-    ("auto", False, 2, 2, 0, "fork"),  # this machine: one thread per worker
-    ("auto", False, 16, 2, 0, "subprocess"),  # 8 threads each: OpenMP's pool does not survive a fork
-    ("auto", False, 16, 2, 1, "fork"),  # pinned to one thread each
-    ("auto", True, 2, 2, 0, "subprocess"),  # a CUDA build: its runtime does not survive a fork
-    ("fork", True, 16, 2, 0, "fork"),  # as set
-    ("subprocess", False, 2, 2, 0, "subprocess"),
+@pytest.mark.parametrize(("setting", "gpu_build", "cores", "nproc", "threads", "want", "risky"), [
+    ("auto", False, 2, 2, 0, "fork", False),  # this machine: one thread per worker
+    ("auto", False, 16, 2, 0, "subprocess", True),  # 8 threads each: OpenMP's pool does not survive a fork
+    ("auto", False, 16, 2, 1, "fork", False),  # pinned to one thread each
+    ("auto", True, 2, 2, 0, "subprocess", True),  # a CUDA build: its runtime does not survive a fork
+    ("fork", True, 16, 2, 0, "fork", True),  # as set: the launcher warns that it is unsafe here
+    ("subprocess", False, 2, 2, 0, "subprocess", False),
 ])
-def test_workers_are_forked_only_where_it_is_safe_or_set(setting, gpu_build, cores, nproc, threads, want):
+def test_workers_are_forked_only_where_it_is_safe_or_set(setting, gpu_build, cores, nproc, threads, want, risky):
     dist = DistConfig(start_method=setting, nproc=nproc, threads_per_worker=threads)
-    how, why = start_method(dist, gpu_build=gpu_build, cores=cores)
-    assert how == want and why
-
+    risk = fork_risk(dist, gpu_build=gpu_build, cores=cores)
+    how, why = start_method(dist.start_method, risk)
+    assert how == want and why and bool(risk) == risky

@@ -44,7 +44,7 @@ demo: venv
 # would otherwise compile poise again (about 0.5 s of CPU each).
 test: extras
 	$(BIN)/python -m compileall -q poise tests
-	$(BIN)/python -m pytest -q -m "not long" -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -m "not long"
 
 test-long: extras
 	$(BIN)/python -m compileall -q poise tests

@@ -35,20 +35,10 @@ def run_poise(*args: str, timeout_s: float = 240.0, cwd: Path | None = None) -> 
     return run_cli(list(args), cwd=cwd or ROOT, env=env, timeout_s=timeout_s)
 
 
-# Tests that share what one machine has once, run one after another in one xdist worker
-# (``make test`` runs two, ``--dist loadgroup``): the cluster tier's namespaces and addresses,
-# and the docs' pages, which run in order and read each other's outputs (test_docs.Runner).
-SERIAL_GROUPS = {"tests/cluster/": "cluster", "tests/e2e/test_docs.py": "docs"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A ``long`` test (see pyproject's markers) must name, as ``covered_by``, the test of
     ``make test`` that runs its code paths: ``path::name`` of a test function that exists."""
     for item in items:
-        group = next((g for prefix, g in SERIAL_GROUPS.items() if item.nodeid.startswith(prefix)), None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
         mark = item.get_closest_marker("long")
         if mark is None:
             continue

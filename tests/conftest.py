@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One line, not a collection error per module, when this Python has no torch (pytest run
+    outside the checkout's environment)."""
+    if importlib.util.find_spec("torch") is None:
+        raise pytest.UsageError(f"torch is not installed for {sys.executable}: run `make test` (it makes .venv "
+                                "and runs the suite there) or `.venv/bin/python -m pytest`")
 
 
 @pytest.fixture(scope="session")

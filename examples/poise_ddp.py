@@ -95,7 +95,7 @@ def main() -> None:
     dataset = Definitions(args.max_len, max_samples=4000)
     model = DDP(ByteLM(d_model=64, num_layers=2, max_len=args.max_len))
     data = poise.Data(lengths=dataset.lengths, loss_terms=dataset.lengths - 1, batch_size=args.batch_size)
-    session = poise.Session(model, data, emulate=args.rank_speed, out_dir=args.out)  # no settings: poise decides
+    session = poise.Session(model, data, emulate=args.rank_speed, out_dir=args.out)  # no settings
     sampler = session.sampler
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -97,6 +97,31 @@ def test_no_sentence_of_the_readme_and_docs_is_over_60_words() -> None:
     assert not found, f"sentences over {MAX_SENTENCE_WORDS} words (split them):\n" + "\n".join(found)
 
 
+# The site's content column at 1280 px shows about 116 characters of a code block (measured in
+# headless Chromium: a 124-character line scrolled, 114 did not); longer lines hide their ends.
+MAX_CODE_COLUMNS = 110
+
+
+def wide_code_lines(text: str) -> list[tuple[int, int]]:
+    """(line number, characters) for every line of ``text``'s code blocks over :data:`MAX_CODE_COLUMNS`."""
+    found, fence = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip().startswith(("```", "~~~")):
+            fence = not fence
+        elif fence and len(line) > MAX_CODE_COLUMNS:
+            found.append((number, len(line)))
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_every_code_line_of_the_readme_and_docs_shows_whole_at_1280_px() -> None:
+    found = [f"{page.relative_to(ROOT)}:{number}: {width} characters"
+             for page in pages() for number, width in wide_code_lines(page.read_text())]
+    assert not found, f"code lines over {MAX_CODE_COLUMNS} characters (wrap them):\n" + "\n".join(found)
+    assert wide_code_lines("```\n" + "x" * (MAX_CODE_COLUMNS + 1) + "\n```") == [(2, MAX_CODE_COLUMNS + 1)]
+    assert not wide_code_lines("x" * 200)
+
+
 @pytest.mark.timeout(60)
 def test_a_long_sentence_is_found_and_code_tables_and_short_ones_are_not() -> None:
     long = " ".join(["word"] * 61) + "."

@@ -77,7 +77,7 @@ class Scenario:
         """Every run of the scenario, the reference first, then poise with no settings (its
         default said out loud: a bench job that names no ``--balance`` runs static sharding,
         :func:`~poise.bench.harness.run_train_job`)."""
-        return {"ddp": ("--balance", "static"), "auto": ("--balance", "auto"), **self.grid}
+        return {"ddp": ("--balance", "static", "--codec", "none"), "auto": ("--balance", "auto"), **self.grid}
 
 
 BALANCING = {"cost": ("--balance", "cost"), "dynamic": ("--balance", "dynamic")}

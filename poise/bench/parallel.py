@@ -39,7 +39,7 @@ HELP = "DDP, FSDP2, HSDP, HSDP with an inter-node codec, DP x PP: time to DDP's 
 
 # (label, command, flags): the reference first
 RUNS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "ddp": ("train", ("--parallel", "ddp")),
+    "ddp": ("train", ("--parallel", "ddp", "--codec", "none")),  # plain DDP: exact, whatever poise would decide
     "fsdp": ("train", ("--parallel", "fsdp")),
     "hsdp": ("train", ("--parallel", "hsdp")),
     "hsdp-int8": ("train", ("--parallel", "hsdp", "--codec", "int8", "--comm.start_step", "5")),

@@ -114,7 +114,8 @@ def show_replicas(report: dict[str, Any]) -> None:
     """Each data-parallel replica's share, its stages' seconds and its DDP traffic per step."""
     from rich.table import Table
 
-    table = Table(title=f"{report['dp_size']} data-parallel replicas ({report['config']['comm']['codec']} on dp)")
+    codec = report["config"]["comm"].get("codec") or "none"  # (unset: exact, as poise decides for pipelines)
+    table = Table(title=f"{report['dp_size']} data-parallel replicas ({codec} on dp)")
     for header in ("replica", "samples/step", "measured s/step per stage", "dp bytes sent/step", "dp comm s",
                    "exposed s"):
         table.add_column(header, justify="right")

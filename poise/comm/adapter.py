@@ -25,7 +25,7 @@ from poise.comm.collectives import Collective
 from poise.comm.probe import CommHook
 from poise.comm.reducers import AllReduceReducer, Reducer
 from poise.comm.state import Counters, CountingState
-from poise.comm.trial import CodecTrial, decide_on_every_rank
+from poise.comm.trial import CodecTrial, confirm_on_every_rank, decide_on_every_rank
 from poise.comm.wrappers import compose
 
 
@@ -87,8 +87,12 @@ class HookState(CountingState):
     def between_steps(self) -> bool:
         """``comm.codec=auto``, after each of the trial's steps, on every rank: the codec's whole
         reduction of that step's buckets once more, timed, its result and codec state thrown away
-        (``poise/comm/trial.py``), then the choice once the trial is ready. Collectives on the
-        reducer's groups and the default group. Returns whether it ran anything."""
+        (``poise/comm/trial.py``), then the choice once the trial is ready; once a kept codec's
+        timed steps are in, whether they confirm it. Collectives on the reducer's groups and the
+        default group. Returns whether it ran anything."""
+        if self.trial is not None and self.trial.confirm_ready:
+            confirm_on_every_rank(self.trial, self.step)
+            return True
         if self.trial is None or not self._dry_run:
             return False
         buckets, self._dry_run = self._dry_run, []

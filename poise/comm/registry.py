@@ -108,12 +108,16 @@ COLLECTIVES: dict[str, CollectiveInfo] = {
 }
 
 
-def codec(name: str) -> CodecInfo:
-    """The entry of the ``comm.codec`` called ``name``.
+def codec(name: str | None) -> CodecInfo:
+    """The entry of the ``comm.codec`` called ``name``. None (no codec named) reads as ``none``
+    until a session decides (``poise.decide.default_codec``): what is checked before then
+    (sharding, pipelines, combinations) is checked for exact gradients.
 
     Raises:
         ValueError: an unknown name, listing the allowed ones.
     """
+    if name is None:
+        return CODECS["none"]
     if name not in CODECS:
         raise ValueError(f"comm.codec={name!r} is unknown: allowed are {', '.join(CODECS)}")
     return CODECS[name]

@@ -17,6 +17,11 @@ backward: pessimistic, as PowerSGD's encoding runs on the autograd thread anyway
 kept only if ``margin`` times that is still below the uncompressed step: a lossy step is worth
 less (PowerSGD needed about 1.2x plain DDP's steps to reach its loss on code-lm).
 
+The prediction is then checked: a kept codec's first ``confirm_steps`` compressed steps after
+the first (which allocates the codec's buffers) are timed, and if ``margin`` times their
+median is not below the uncompressed step after all, the codec is dropped and every later step
+is exact again. Do no harm: a lossy codec stays only while its measured steps pay for it.
+
 :class:`CodecTrial` is the decision alone (no process group): it is told each step's seconds
 and each dry run's. The hook state runs the dry runs (``adapter.HookState.between_steps``) and
 :func:`decide_on_every_rank` makes every rank decide the same, from the slowest rank's medians.
@@ -52,41 +57,71 @@ class CodecTrial:
         steps: dry runs, after steps ``start - steps`` to ``start - 1``; the first is not timed
             (it allocates the codec's buffers).
         margin: how much faster per step the codec must be (>= 1; see the module docstring).
+        confirm_steps: compressed steps timed, after the first, to confirm a kept codec (see
+            the module docstring); 0: never checked.
 
     Raises:
-        ValueError: ``steps`` < 2, ``margin`` < 1, or ``start`` too early for the dry runs.
+        ValueError: ``steps`` < 2, ``margin`` < 1, ``confirm_steps`` < 0, or ``start`` too early
+            for the dry runs.
     """
 
-    def __init__(self, start: int, *, steps: int = 3, margin: float = 1.25) -> None:
+    def __init__(self, start: int, *, steps: int = 3, margin: float = 1.25, confirm_steps: int = 3) -> None:
         if steps < 2:
             raise ValueError(f"comm.auto_trial_steps={steps} must be >= 2 (the first dry run is not timed)")
         if not margin >= 1.0:
             raise ValueError(f"comm.auto_margin={margin} must be >= 1")
+        if confirm_steps < 0:
+            raise ValueError(f"confirm_steps={confirm_steps} must be >= 0")
         if start < earliest_start(steps):
             raise ValueError(f"comm.codec=auto dry-runs the codec after the {steps} uncompressed steps before "
                              f"start_step: start_step={start} must be >= {earliest_start(steps)} "
                              f"(comm.auto_trial_steps + {_SKIPPED_FIRST_STEPS}: DDP rebuilds its buckets after step 1)")
-        self.start, self.steps, self.margin = start, steps, margin
+        self.start, self.steps, self.margin, self.confirm_steps = start, steps, margin, confirm_steps
         self.uncompressed_s: list[float] = []  # step seconds of the uncompressed steps
         self.compute_s: list[float] = []  # ... without their exposed communication
         self.dry_run_s: list[float] = []  # the timed dry runs
         self.choice: bool | None = None  # None until decided
         self.decided_from: tuple[float, float] | None = None  # (uncompressed step, predicted codec step)
+        self.compressed_s: list[float] = []  # step seconds of the compressed steps timed to confirm
+        self.confirmed: bool | None = None  # None until the compressed steps are in (or never kept)
+        self.measured_s: float | None = None  # the slowest rank's median compressed step, seconds
+        self.dropped_step: int | None = None  # the first exact step again, where the codec did not pay
 
     def dry_run_due(self, step: int) -> bool:
         """Whether the hook keeps step ``step``'s buckets for a dry run after it."""
         return self.choice is None and self.start - self.steps <= step < self.start
 
     def uses_codec(self, step: int) -> bool:
-        """Whether step ``step`` (0-based, optimizer steps) is compressed: never before the choice."""
-        return step >= self.start and bool(self.choice)
+        """Whether step ``step`` (0-based, optimizer steps) is compressed: never before the choice,
+        nor once the compressed steps did not confirm it."""
+        return self.start <= step and bool(self.choice) and (self.dropped_step is None or step < self.dropped_step)
 
     def observe(self, step: int, step_s: float, comm_wait_s: float) -> None:
-        """Record an uncompressed step's seconds and the part of them spent waiting for the
-        reduction (any step; those outside the window are ignored)."""
+        """Record a step's seconds and the part of them spent waiting for the reduction (any
+        step: uncompressed ones before the choice, compressed ones while confirming, the others
+        ignored)."""
         if self.choice is None and _SKIPPED_FIRST_STEPS <= step < self.start:
             self.uncompressed_s.append(step_s)
             self.compute_s.append(max(0.0, step_s - comm_wait_s))
+        elif (self.choice and self.confirmed is None and step > self.start
+              and len(self.compressed_s) < self.confirm_steps):
+            self.compressed_s.append(step_s)
+
+    @property
+    def confirm_ready(self) -> bool:
+        """Whether a kept codec's timed compressed steps are all in, and not yet judged."""
+        return (bool(self.choice) and self.confirmed is None and self.confirm_steps > 0
+                and len(self.compressed_s) == self.confirm_steps)
+
+    def confirm(self, uncompressed_s: float, measured_s: float, next_step: int) -> bool:
+        """Judge a kept codec by its measured steps (the median compressed step, seconds, every
+        rank passing the same): kept while ``margin`` times it is below ``uncompressed_s``, else
+        dropped from ``next_step`` on. Returns whether it is kept."""
+        self.measured_s = measured_s
+        self.confirmed = measured_s * self.margin < uncompressed_s
+        if not self.confirmed:
+            self.dropped_step = next_step
+        return self.confirmed
 
     def observe_dry_run(self, step: int, seconds: float) -> None:
         """Record the dry run after step ``step`` (the first one is not timed)."""
@@ -114,12 +149,16 @@ class CodecTrial:
         """For the report: the window, the step times the choice came from, the choice."""
         medians = self.decided_from or (None, None)
         return {"start_step": self.start, "trial_steps": self.steps, "margin": self.margin,
-                "uncompressed_step_s": medians[0], "codec_step_s": medians[1], "uses_codec": self.choice}
+                "uncompressed_step_s": medians[0], "codec_step_s": medians[1], "uses_codec": self.choice,
+                "confirm_steps": self.confirm_steps, "measured_codec_step_s": self.measured_s,
+                "confirmed": self.confirmed, "dropped_step": self.dropped_step}
 
     def state_dict(self) -> dict[str, Any]:
         return {"uncompressed_s": list(self.uncompressed_s), "compute_s": list(self.compute_s),
                 "dry_run_s": list(self.dry_run_s), "choice": self.choice,
-                "decided_from": list(self.decided_from) if self.decided_from else None}
+                "decided_from": list(self.decided_from) if self.decided_from else None,
+                "compressed_s": list(self.compressed_s), "confirmed": self.confirmed, "measured_s": self.measured_s,
+                "dropped_step": self.dropped_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.uncompressed_s = [float(x) for x in state.get("uncompressed_s", [])]
@@ -131,6 +170,14 @@ class CodecTrial:
         self.choice = choice
         decided = state.get("decided_from")
         self.decided_from = (float(decided[0]), float(decided[1])) if decided else None
+        self.compressed_s = [float(x) for x in state.get("compressed_s", [])]
+        confirmed = state.get("confirmed")
+        if confirmed is not None and not isinstance(confirmed, bool):
+            raise ValueError(f"comm trial state: confirmed={confirmed!r} must be true, false or null")
+        self.confirmed = confirmed
+        measured, dropped = state.get("measured_s"), state.get("dropped_step")
+        self.measured_s = float(measured) if measured is not None else None
+        self.dropped_step = int(dropped) if dropped is not None else None
 
 
 def decide_on_every_rank(trial: CodecTrial) -> bool:
@@ -145,4 +192,19 @@ def decide_on_every_rank(trial: CodecTrial) -> bool:
              "exposed communication + a %.0f ms dry run; x%.2f margin): %s", uncompressed_s * 1e3,
              (compute_s + dry_run_s) * 1e3, compute_s * 1e3, dry_run_s * 1e3, trial.margin,
              f"PowerSGD from step {trial.start}" if kept else "uncompressed, as plain DDP")
+    return kept
+
+
+def confirm_on_every_rank(trial: CodecTrial, next_step: int) -> bool:
+    """Judge ``trial``'s kept codec by the slowest rank's median compressed step against its
+    median uncompressed one, so that every rank keeps or drops it at the same step. A collective
+    on the default group: call it on every rank between steps, once ``trial.confirm_ready``."""
+    medians = torch.tensor([statistics.median(trial.uncompressed_s), statistics.median(trial.compressed_s)],
+                           dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    uncompressed_s, measured_s = medians.tolist()
+    kept = trial.confirm(uncompressed_s, measured_s, next_step)
+    log.info("comm.codec=auto: median step %.0f ms with PowerSGD over %d steps, %.0f ms uncompressed (x%.2f "
+             "margin): %s", measured_s * 1e3, len(trial.compressed_s), uncompressed_s * 1e3, trial.margin,
+             "kept" if kept else f"dropped, exact again from step {next_step}")
     return kept

@@ -12,7 +12,10 @@ from poise.config.fields import check_finite, check_positive, setting
 class CommConfig:
     """How gradients are communicated: the DDP communication hook and its codec."""
 
-    codec: str = setting("none", "gradient codec (torch-fp16 and torch-powersgd: torch's own hooks, for comparison)")
+    codec: str | None = setting(
+        None, "gradient codec: none = exact (torch-fp16 and torch-powersgd: torch's own hooks, for comparison); "
+        "unset: poise decides, exact on one node and auto across nodes (docs/decide.md)"
+    )
     error_feedback: bool = setting(True, "add each bucket's compression error back into the next step")
     topk_ratio: float = setting(0.01, "topk/randomk: share of gradient entries sent, in (0, 1]")
     powersgd_rank: int = setting(8, "powersgd: rank of the approximation (code-lm: rank 4 costs 2.9%, 8 costs 1.5%)")

@@ -98,12 +98,13 @@ class SyncConfig:
         if not 2 <= self.auto_trial_steps <= 100:
             raise ValueError(f"sync.auto_trial_steps={self.auto_trial_steps!r} is outside 2..100")
 
-    def check_codec(self, codec: str) -> None:
+    def check_codec(self, codec: str | None) -> None:
         """Refuse, in one line, a per-step gradient codec ``codec`` (``comm.codec``) that this
         mode would never use: an outer mode's inner steps reduce no gradient, so only its
         warm-up and ``inner_scope=node`` all-reduce one (the report would name a codec that
-        compressed nothing)."""
-        if self.mode in OUTER_MODES and codec != "none" and not self.warmup_steps and self.inner_scope == "rank":
+        compressed nothing). None (no codec named) is poise's to decide: exact here."""
+        named = codec not in (None, "none")
+        if self.mode in OUTER_MODES and named and not self.warmup_steps and self.inner_scope == "rank":
             raise ValueError(f"comm.codec={codec!r} compresses the per-step gradient all-reduce, which sync.mode="
                              f"{self.mode!r} never runs (inner steps send nothing; the outer step sends the "
                              f"parameter change): compress that with sync.codec (SyncConfig(codec=...): "

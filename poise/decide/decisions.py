@@ -36,7 +36,7 @@ class Decision:
         why: the reason, one sentence with its figures.
         pin: the setting that pins it (a pinned setting is never overridden).
         by: ``poise`` when poise chose it from measurements or its defaults, ``you`` when the
-            run's settings said so.
+            run's settings said so (``comm='auto'`` asks poise to measure: its choices are poise's).
         figures: the numbers it was taken on (seconds, cost units per second, shares).
     """
 
@@ -127,20 +127,32 @@ def _codec(report: Mapping[str, Any]) -> list[Decision]:
     codec = report.get("codec")
     if codec is None:
         return []
+    decided = report.get("codec_by_poise")  # no codec was named: why poise chose this one
     trial = report.get("codec_trial")
     if codec != "auto" or not isinstance(trial, Mapping):
-        return [Decision("comm.codec", str(codec), 0, "exact gradients: no codec was asked for" if codec == "none"
-                         else f"comm={codec!r} was set", f"comm={codec!r}", by="poise" if codec == "none" else "you")]
+        if decided:
+            return [Decision("comm.codec", "none (exact)" if codec == "none" else str(codec), 0, str(decided),
+                             "comm='none' (or comm='auto' to measure PowerSGD here)")]
+        return [Decision("comm.codec", str(codec), 0, f"comm={codec!r} was set", f"comm={codec!r}", by="you")]
     plain, coded, uses = trial.get("uncompressed_step_s"), trial.get("codec_step_s"), trial.get("uses_codec")
     start = int(trial.get("start_step") or 0)
+    asked = f"{decided} " if decided else ""
     if uses is None:
         return [Decision("comm.codec", "exact (PowerSGD trial not finished)", 0,
-                         f"the run ended before its dry runs at step {start}", "comm='none' or comm='powersgd'")]
+                         f"{asked}the run ended before its dry runs at step {start}", "comm='none' or comm='powersgd'")]
     why = (f"a step took {plain:.3f} s uncompressed and {coded:.3f} s predicted with PowerSGD "
            f"(needs {trial.get('margin')}x faster: a lossy step is worth less)" if plain and coded
            else "decided by the dry runs")
-    return [Decision("comm.codec", "powersgd" if uses else "none (exact)", start, why,
-                     "comm='powersgd'" if uses else "comm='none'", figures=dict(trial))]
+    found = [Decision("comm.codec", "powersgd" if uses else "none (exact)", start, asked + why,
+                      "comm='powersgd'" if uses else "comm='none'", figures=dict(trial))]
+    dropped, measured = trial.get("dropped_step"), trial.get("measured_codec_step_s")
+    if uses and dropped is not None and measured is not None and plain:
+        found.append(Decision(
+            "comm.codec", "none (exact again)", int(dropped),
+            f"PowerSGD's steps measured {measured:.3f} s against {plain:.3f} s uncompressed (needs "
+            f"{trial.get('margin')}x faster): it did not pay", "comm='none' (or comm='powersgd' to keep it)",
+            figures={"measured_codec_step_s": measured, "uncompressed_step_s": plain}))
+    return found
 
 
 def _sync(report: Mapping[str, Any]) -> list[Decision]:

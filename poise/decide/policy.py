@@ -21,6 +21,12 @@ Do no harm: a move of the shares is a prediction (the steps will be better balan
 those steps are measured worse balanced than as many before the move (by more than
 :data:`~poise.balance.rebalance.CONFIRM_MARGIN`), the move is undone and said so (decision
 ``revert``), and the split stays until the speeds change.
+
+The gradient codec (:func:`default_codec`): a codec can pay only where the all-reduce crosses
+a network link, so with no codec named a job on one node sends exact gradients without any
+trial, and a job across nodes runs ``auto`` (``poise/comm/trial.py``): PowerSGD dry runs
+after its first exact steps, the codec kept only where its predicted step is ``margin`` times
+faster, then dropped again if its measured steps are not.
 """
 
 from __future__ import annotations
@@ -30,6 +36,36 @@ from poise.config import BalanceConfig
 # steps between re-plans under balance auto, and steps a move is measured before it is kept (see module doc)
 AUTO_REPLAN_EVERY_STEPS = 1
 AUTO_CONFIRM_STEPS = 3
+
+
+def default_codec(*, spans_nodes: bool, sharded: bool, sync_mode: str, deadline: bool, accum_steps: int,
+                  run_length_known: bool) -> tuple[str, str]:
+    """``(codec, why)`` for a run that names no codec (``comm.codec`` unset): ``auto`` across
+    nodes where its trial can run, else ``none`` (exact); ``why`` is one sentence for the report.
+
+    Args:
+        spans_nodes: the ranks are on more than one node (``poise.comm.topology.spans_nodes``).
+        sharded: the model is sharded with ``fully_shard`` (no DDP buckets to dry-run).
+        sync_mode: ``sync.mode``; outer steps send no per-step gradient.
+        deadline: deadline steps (or emulated delays) time their own micro-batches.
+        accum_steps: micro-batches per optimizer step; the trial times whole steps.
+        run_length_known: the optimizer steps of the run are known, which a lossy codec's
+            uncompressed warm-up (a twentieth of the run) needs.
+    """
+    if not spans_nodes:
+        return "none", "one node: the gradient all-reduce crosses no network link, where a codec could pay"
+    if sharded:
+        return "none", "a sharded model reduce-scatters its gradients: the codec trial dry-runs DDP's buckets"
+    if sync_mode != "step":
+        return "none", f"sync={sync_mode!r} sends no gradient all-reduce at every step"
+    if deadline or accum_steps != 1:
+        return "none", ("the codec trial times whole steps, which deadline steps and gradient accumulation "
+                        "split (straggler='off' and accum_steps=1 let poise try PowerSGD)")
+    if not run_length_known:
+        return "none", ("a lossy codec starts after a twentieth of the run, whose length is not known "
+                        "(Data(total_steps=...) lets poise try PowerSGD)")
+    return "auto", ("several nodes: PowerSGD is dry-run after the first exact steps and kept only if it pays, "
+                    "then dropped if its measured steps do not")
 
 
 def replan_schedule(balance: BalanceConfig) -> dict[str, int]:
@@ -44,4 +80,4 @@ def replan_schedule(balance: BalanceConfig) -> dict[str, int]:
             "confirm_steps": AUTO_CONFIRM_STEPS if auto else 0}
 
 
-__all__ = ["AUTO_CONFIRM_STEPS", "AUTO_REPLAN_EVERY_STEPS", "replan_schedule"]
+__all__ = ["AUTO_CONFIRM_STEPS", "AUTO_REPLAN_EVERY_STEPS", "default_codec", "replan_schedule"]

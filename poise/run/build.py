@@ -10,6 +10,7 @@ calls it once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from poise.balance.packed_sampler import PackedBatchSampler
 from poise.balance.rebalance import DynamicPartitioner
 from poise.balance.replay import ReplayedPartitioner, load_replans
 from poise.comm import registry
-from poise.comm.topology import default_group_timeout
+from poise.comm.topology import default_group_timeout, spans_nodes
 from poise.config import (
     BalanceConfig,
     CommConfig,
@@ -34,7 +35,7 @@ from poise.config import (
     StragglerConfig,
     SyncConfig,
 )
-from poise.decide import replan_schedule
+from poise.decide import default_codec, replan_schedule
 from poise.diagnostics import metrics as metrics_mod
 from poise.diagnostics.metrics import MetricsExporter
 from poise.diagnostics.timeline import Timeline
@@ -69,6 +70,8 @@ class Parts:
     metrics: MetricsExporter | None
     freed_memory: memory.FreedMemory | None
     compression_start: int
+    comm: CommConfig  # the codec named, or decided by poise when none was (codec_why says why)
+    codec_why: str | None
 
 
 def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommConfig, straggler: StragglerConfig,
@@ -84,12 +87,19 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
         raise ValueError("poise.Session needs torch.distributed initialised first: call "
                          "dist.init_process_group(...) (torchrun sets the environment it reads)")
     rank, world_size, backend = dist.get_rank(), dist.get_world_size(), str(dist.get_backend())
+    deadline = straggler.enabled or bool(emulate.delay)
+    codec_why = None
+    if comm.codec is None:  # no codec named: poise decides (poise/decide/policy.py)
+        codec, codec_why = default_codec(
+            spans_nodes=spans_nodes(range(world_size)), sharded=is_fsdp_module(model), sync_mode=sync_config.mode,
+            deadline=deadline, accum_steps=data.accum_steps,
+            run_length_known=data.total_steps is not None or comm.start_step is not None)
+        comm = dataclasses.replace(comm, codec=codec)
     registry.check(comm)
     if registry.codec(comm.codec).lossy and comm.start_step is None and data.total_steps is None:
         raise ValueError(f"comm.codec={comm.codec!r} is lossy: it starts compressing after a twentieth of the run and "
                          "twice the learning-rate warm-up, so give Data(total_steps=...) (optimizer steps; and "
                          "lr_warmup_steps=...), or CommConfig(start_step=N) to say when yourself")
-    deadline = straggler.enabled or bool(emulate.delay)
     if is_fsdp_module(model):
         _check_sharded(sync_config, straggler, emulate)
     _check_model(model)
@@ -161,7 +171,8 @@ def build(model: nn.Module, data: Data, *, balance: BalanceConfig, comm: CommCon
     return Parts(rank=rank, world_size=world_size, backend=backend, device=device,
                  collective_device=collective_device, sampler=sampler,
                  loss_terms=loss_terms, partitioner=partitioner, clock=clock, sync=sync, emulation=emulation,
-                 recorder=recorder, metrics=exporter, freed_memory=freed_memory, compression_start=start)
+                 recorder=recorder, metrics=exporter, freed_memory=freed_memory, compression_start=start,
+                 comm=comm, codec_why=codec_why)
 
 
 def _check_model(model: nn.Module) -> None:

@@ -85,8 +85,10 @@ class Session:
         balance: ``auto`` (the default: plain DDP's samples per step, split by each rank's
             measured speed from the first steps on; ``poise/decide/``) | ``static`` | ``cost`` |
             ``dynamic``, or a :class:`~poise.config.BalanceConfig`.
-        comm: a codec name (``none``, ``fp16``, ``topk``, ``powersgd``, ...) or a
-            :class:`~poise.config.CommConfig` (codec, error feedback, collective, buckets).
+        comm: a codec name (``none`` for exact gradients, ``fp16``, ``topk``, ``powersgd``,
+            ``auto``, ...) or a :class:`~poise.config.CommConfig` (codec, error feedback,
+            collective, buckets). None, or a ``CommConfig`` without a codec: poise decides
+            (exact on one node; across nodes ``auto``, see ``poise/decide/policy.py``).
         straggler: ``off`` | ``deadline`` | ``deadline+stale``, or a
             :class:`~poise.config.StragglerConfig`: each rank computes micro-batches until the
             step's shared deadline; samples it did not reach go back into the epoch's plan
@@ -120,14 +122,14 @@ class Session:
     """
 
     def __init__(self, model: nn.Module, data: Data | Sampler, *, balance: str | BalanceConfig = "auto",
-                 comm: str | CommConfig = "none", straggler: str | StragglerConfig = "off",
+                 comm: str | CommConfig | None = None, straggler: str | StragglerConfig = "off",
                  sync: str | SyncConfig = "step", emulate: str | EmulateConfig | None = None,
                  diagnostics: DiagnosticsConfig | None = None, metrics: MetricsConfig | None = None,
                  out_dir: str | Path | None = None, keep_freed_memory: bool | None = None) -> None:
         self._started_s = time.perf_counter()
         self.data = data if isinstance(data, Data) else Data(sampler=data)
         self.balance = BalanceConfig(strategy=balance) if isinstance(balance, str) else balance
-        self.comm = CommConfig(codec=comm) if isinstance(comm, str) else comm
+        self.comm = CommConfig(codec=comm) if isinstance(comm, str) or comm is None else comm
         self.straggler = StragglerConfig(mode=straggler) if isinstance(straggler, str) else straggler
         self.sync_config = SyncConfig(mode=sync) if isinstance(sync, str) else sync
         self.emulate = EmulateConfig(rank_speed=emulate) if isinstance(emulate, str) else emulate or EmulateConfig()
@@ -149,6 +151,7 @@ class Session:
         self.metrics: MetricsExporter | None = parts.metrics
         self.freed_memory: memory.FreedMemory | None = parts.freed_memory
         self.compression_start = parts.compression_start
+        self.comm, self._codec_why = parts.comm, parts.codec_why  # the codec poise decided, if none was named
         self._emulation = parts.emulation
         self._recorder = parts.recorder
         self._env = StepEnv(sync=parts.sync, clock=parts.clock, lengths=self.lengths, world_size=self.world_size,
@@ -427,6 +430,7 @@ class Session:
                     "wall_s": time.perf_counter() - self._started_s,
                     **report_mod.summarize(table, loss_scale=loss_scale),
                     "balance_strategy": self.balance.strategy, "codec": self.comm.codec,
+                    **({"codec_by_poise": self._codec_why} if self._codec_why else {}),
                     **({"balance_sampler": {"type": type(self.sampler).__name__, "replanned": bool(self.partitioner)}}
                        if self.data.sampler is not None else {}),
                     "sync": self.sync.summary(),

@@ -132,7 +132,7 @@ def train(config: RunConfig, ctx: rdist.DistContext) -> dict | None:
     job.saver, job.samples = open_outputs(job)
     log.info("training %s: %d params, %d train samples, %d steps, balance %s, codec %s",
              task.name, sum(p.numel() for p in session.model.parameters()), len(task.train_lengths), total_micro,
-             config.balance.strategy, config.comm.codec)
+             config.balance.strategy, session.comm.codec)
 
     loader = session.dataloader(task.train_set, collate_fn=task.collate)
     pos = Position(job.start_step, session.sampler.epoch, job.start_step if job.resumed_from else None)

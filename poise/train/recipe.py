@@ -61,7 +61,7 @@ def schedule_span(config: RunConfig, session: Session, optimizer_steps: int) -> 
     ``auto`` keeping PowerSGD), because each lossy step is worth less and the run's extra steps
     are there for it. So ``auto`` that drops PowerSGD follows plain DDP's schedule, step for step."""
     exact_span = config.train.schedule_steps or optimizer_steps
-    codec = config.comm.codec
+    codec = session.comm.codec  # as named, or as the session decided
     if codec != "auto":
         span = optimizer_steps if registry.codec(codec).lossy else exact_span
         return lambda: span

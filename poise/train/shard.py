@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from poise.comm import registry
 from poise.config import CommConfig, ParallelConfig
 
 # codecs FSDP2's own HSDP carries: none, and the casts its reduce-scatter runs in a low dtype
@@ -69,7 +70,7 @@ class MeshLayout:
     shard_only: bool = False
 
 
-def mesh_layout(parallel: ParallelConfig, codec: str, world_size: int, nproc: int) -> MeshLayout:
+def mesh_layout(parallel: ParallelConfig, codec: str | None, world_size: int, nproc: int) -> MeshLayout:
     """The mesh of ``parallel.mode`` (fsdp or hsdp) for ``world_size`` ranks, ``nproc`` per machine.
 
     Raises:
@@ -84,7 +85,7 @@ def mesh_layout(parallel: ParallelConfig, codec: str, world_size: int, nproc: in
         raise ValueError(f"parallel.shard_size={shard} does not divide the job's {world_size} ranks: hsdp needs "
                          "equal shard groups (give a divisor, or leave it unset for one group per machine)")
     return MeshLayout((world_size // shard, shard), ("replicate", "shard"),
-                      shard_only=codec not in NATIVE_HSDP_CODECS)
+                      shard_only=registry.codec(codec).name not in NATIVE_HSDP_CODECS)
 
 
 def shard_model(model: nn.Module, parallel: ParallelConfig, comm: CommConfig, *, world_size: int, nproc: int,

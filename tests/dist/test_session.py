@@ -155,6 +155,39 @@ def test_finish_writes_the_report_trace_and_plot_of_every_rank(tmp_path: Path):
     assert all(sum(e["shares"]) == pytest.approx(1.0) for e in report["replans"])
 
 
+def _codec_decided(rank: int, world_size: int) -> list[dict | None]:
+    """Two sessions naming no codec, one after the other on the same ranks: torchrun's
+    LOCAL_WORLD_SIZE says all ranks share one node, then that each rank is a node of its own."""
+    import os
+
+    reports = []
+    for ranks_per_node in (world_size, 1):
+        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+        session = poise.Session(_model(), poise.Data(lengths=LENGTHS, loss_terms=LENGTHS, batch_size=4, total_steps=8))
+        optimizer = torch.optim.SGD(session.model.parameters(), lr=0.05)
+        loader = DataLoader(Sequences(), batch_sampler=session.sampler, collate_fn=collate)
+        for done, (step, (x, y)) in enumerate(session.steps(loader), 1):
+            step.backward(token_mean_loss(session.model, x, y))
+            optimizer.step()
+            optimizer.zero_grad()
+            if done == 8:
+                break
+        reports.append(session.finish())
+    return reports
+
+
+def test_with_no_codec_named_one_node_sends_exact_gradients_and_several_nodes_try_powersgd():
+    one_node, nodes = run_ranks(_codec_decided, world_size=2, timeout_s=120)[0]
+    assert one_node["codec"] == "none" and one_node["codec_by_poise"].startswith("one node")
+    assert one_node["codec_trial"] is None  # no trial, no dry run: DDP's exact all-reduce
+    assert nodes["codec"] == "auto" and nodes["codec_by_poise"].startswith("several nodes")
+    trial = nodes["codec_trial"]
+    assert trial["start_step"] == 5 and trial["uses_codec"] in (True, False)  # decided after its dry runs
+    for report, choice in ((one_node, "none (exact)"), (nodes, "powersgd" if trial["uses_codec"] else "none (exact)")):
+        codec = [d for d in report["decisions"] if d["knob"] == "comm.codec"]
+        assert codec[0]["choice"] == choice and codec[0]["by"] == "poise", codec
+
+
 def _resume(rank: int, world_size: int, prefetch: int, plan: str) -> dict:
     """Train 5 steps with the DataLoader ``prefetch`` batches ahead, save, and resume in a new
     session: the steps after the save are the ones an uninterrupted run trains. The shares

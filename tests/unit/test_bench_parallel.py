@@ -41,7 +41,7 @@ def test_ddp_runs_first_and_sets_no_target_for_itself() -> None:
     assert parallel.parse(args) == ["ddp", "fsdp", "hsdp-int8"]
     command, flags = parallel.job("ddp", args, ["--task", "code-lm"], None)
     assert command == "train" and flags[flags.index("--steps") + 1] == "60"
-    assert "--train.stop_at_eval_loss" not in flags and flags[-2:] == ["--parallel", "ddp"]
+    assert "--train.stop_at_eval_loss" not in flags and flags[-4:] == ["--parallel", "ddp", "--codec", "none"]
 
 
 def test_other_runs_follow_ddps_schedule_and_stop_at_its_loss() -> None:

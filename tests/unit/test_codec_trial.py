@@ -58,6 +58,54 @@ def test_the_choice_survives_a_checkpoint():
         restored.load_state_dict({**trial.state_dict(), "choice": "yes"})
 
 
+def _kept(confirm_steps: int = 3) -> CodecTrial:
+    """A trial that kept PowerSGD from step 5: 1.2 s steps uncompressed, 0.5 s predicted."""
+    trial = CodecTrial(5, steps=3, margin=1.25, confirm_steps=confirm_steps)
+    _run(trial, step_s=1.2, comm_wait_s=0.9, dry_run_s=0.2)
+    assert trial.decide(*trial.medians())
+    return trial
+
+
+@pytest.mark.parametrize(("compressed_s", "kept"), [(0.6, True), (1.0, False)])
+def test_the_compressed_steps_confirm_a_kept_codec_or_it_is_dropped(compressed_s, kept):
+    trial = _kept()
+    trial.observe(5, 9.0, 0.0)  # the first compressed step allocates the codec's buffers: not timed
+    for step in (6, 7):
+        trial.observe(step, compressed_s, 0.0)
+        assert not trial.confirm_ready
+    trial.observe(8, compressed_s, 0.0)
+    assert trial.confirm_ready and trial.compressed_s == [compressed_s] * 3
+    assert trial.confirm(1.2, compressed_s, next_step=9) is kept
+    assert not trial.confirm_ready
+    trial.observe(9, 5.0, 0.0)
+    assert trial.compressed_s == [compressed_s] * 3  # judged: no more observations
+    assert trial.uses_codec(8)  # the steps before the judgement stay as they ran
+    assert trial.uses_codec(9) is kept and trial.uses_codec(100) is kept  # dropped: exact from step 9 on
+    summary = trial.summary()
+    assert summary["confirmed"] is kept and summary["measured_codec_step_s"] == compressed_s
+    assert summary["dropped_step"] == (None if kept else 9)
+    restored = CodecTrial(5, steps=3, margin=1.25)
+    restored.load_state_dict(trial.state_dict())
+    assert restored.summary() == summary and restored.uses_codec(20) is kept
+
+
+def test_a_dropped_or_unconfirmed_codec_is_never_judged_and_confirm_steps_0_never_checks():
+    never = _kept(confirm_steps=0)
+    for step in range(5, 20):
+        never.observe(step, 9.0, 0.0)
+    assert not never.confirm_ready and never.uses_codec(19)
+    dropped = CodecTrial(5, steps=3)
+    _run(dropped, step_s=0.55, comm_wait_s=0.2, dry_run_s=0.2)
+    assert not dropped.decide(*dropped.medians())
+    for step in range(5, 20):
+        dropped.observe(step, 0.5, 0.0)
+    assert not dropped.confirm_ready and dropped.compressed_s == []
+    with pytest.raises(ValueError, match="confirm_steps=-1"):
+        CodecTrial(5, confirm_steps=-1)
+    with pytest.raises(ValueError, match="confirmed='no'"):
+        CodecTrial(5).load_state_dict({**never.state_dict(), "confirmed": "no"})
+
+
 @pytest.mark.parametrize(("start", "steps", "margin", "message"), [
     (4, 3, 1.25, "start_step=4 must be >= 5"), (5, 1, 1.25, "auto_trial_steps=1"), (8, 3, 0.9, "auto_margin=0.9"),
 ])

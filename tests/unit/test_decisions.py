@@ -1,8 +1,10 @@
 """What poise decided, said plainly (poise/decide/): decisions from a report's own keys, pins,
 and the re-planning cadence of balance auto."""
 
+import pytest
+
 from poise.config import BalanceConfig
-from poise.decide import decisions, describe, replan_schedule
+from poise.decide import decisions, default_codec, describe, replan_schedule
 
 
 def _replan(step: int, decision: str, shares=(0.5, 0.5)) -> dict:
@@ -11,7 +13,8 @@ def _replan(step: int, decision: str, shares=(0.5, 0.5)) -> dict:
 
 
 def test_auto_names_the_split_and_each_share_move_with_its_figures_and_pin():
-    report = {"balance_strategy": "auto", "codec": "none", "sync": {"mode": "step"}, "straggler": [None, None],
+    report = {"balance_strategy": "auto", "codec": "none", "codec_by_poise": "one node: ...",
+              "sync": {"mode": "step"}, "straggler": [None, None],
               "replans": [_replan(2, "wait"), _replan(3, "jump", (0.667, 0.333)), _replan(4, "hold"),
                           _replan(9, "edge", (0.66, 0.34))]}
     found = decisions(report)
@@ -84,3 +87,42 @@ def test_a_sampler_of_the_users_that_auto_cannot_replan_is_said_as_theirs():
     assert "does not re-plan" in split.why and split.pin == "balance='static' (to say the sampler's split is meant)"
     replanned = decisions({**report, "balance_sampler": {"type": "BalancedBatchSampler", "replanned": True}})[0]
     assert replanned.by == "poise" and "DDP's steps" in replanned.choice
+
+
+def test_a_codec_poise_chose_is_said_as_its_own_and_a_named_one_as_yours():
+    exact = decisions({"codec": "none", "codec_by_poise": "one node: the gradient all-reduce crosses no link"})
+    assert [(d.choice, d.by) for d in exact] == [("none (exact)", "poise")]
+    assert exact[0].why.startswith("one node") and "comm='auto'" in exact[0].pin
+    named = decisions({"codec": "none"})  # comm='none' given: exact, pinned by the user
+    assert [(d.choice, d.by, d.pin) for d in named] == [("none", "you", "comm='none'")]
+
+
+def test_a_kept_codec_that_its_measured_steps_do_not_confirm_is_dropped_and_said_so():
+    trial = {"start_step": 7, "trial_steps": 3, "margin": 1.25, "uncompressed_step_s": 0.8, "codec_step_s": 0.3,
+             "uses_codec": True, "confirm_steps": 3, "measured_codec_step_s": 0.7, "confirmed": False,
+             "dropped_step": 11}
+    found = decisions({"codec": "auto", "codec_trial": trial, "codec_by_poise": "several nodes: ..."})
+    assert [(d.choice, d.step) for d in found] == [("powersgd", 7), ("none (exact again)", 11)]
+    assert found[0].why.startswith("several nodes") and all(d.by == "poise" for d in found)
+    assert "0.700 s against 0.800 s" in found[1].why and found[1].figures["measured_codec_step_s"] == 0.7
+    kept = decisions({"codec": "auto", "codec_trial": {**trial, "confirmed": True, "dropped_step": None}})
+    assert [d.choice for d in kept] == ["powersgd"]
+
+
+ACROSS = {"spans_nodes": True, "sharded": False, "sync_mode": "step", "deadline": False, "accum_steps": 1,
+          "run_length_known": True}
+
+
+@pytest.mark.parametrize(("change", "codec", "words"), [
+    ({}, "auto", "several nodes"),
+    ({"spans_nodes": False}, "none", "one node"),
+    ({"sharded": True}, "none", "sharded"),
+    ({"sync_mode": "diloco"}, "none", "sync='diloco'"),
+    ({"deadline": True}, "none", "whole steps"),
+    ({"accum_steps": 4}, "none", "whole steps"),
+    ({"run_length_known": False}, "none", "Data(total_steps=...)"),
+])
+def test_with_no_codec_named_only_a_job_across_nodes_whose_steps_the_trial_can_time_tries_powersgd(
+        change, codec, words):
+    chosen, why = default_codec(**{**ACROSS, **change})
+    assert chosen == codec and words in why

@@ -212,8 +212,11 @@ def test_auto_codec_dry_runs_powersgd_and_keeps_what_it_chose(tmp_path):
     assert trial["start_step"] == 6 and trial["trial_steps"] == 4 and isinstance(trial["uses_codec"], bool)
     assert trial["uses_codec"] == (trial["codec_step_s"] * trial["margin"] < trial["uncompressed_step_s"])
     assert "comm.codec=auto: median step" in proc.stderr
+    if trial["uses_codec"]:  # kept: judged by its compressed steps 7 to 9, kept or dropped from step 10
+        assert trial["confirmed"] == (trial["measured_codec_step_s"] * trial["margin"] < trial["uncompressed_step_s"])
+        assert trial["dropped_step"] == (None if trial["confirmed"] else 10)
     compressed = report["comm_wire_bytes_per_step"] < report["comm_raw_bytes_per_step"]  # the median step
-    assert compressed == trial["uses_codec"]
+    assert compressed == (trial["uses_codec"] and trial["dropped_step"] is None)
 
 
 def test_a_dropped_auto_codec_trains_exactly_as_plain_ddp(tmp_path):

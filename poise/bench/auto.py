@@ -177,6 +177,9 @@ def measure(report: dict[str, Any], run_dir: Path, target: float | None, changes
         "final_eval_loss": report.get("eval_loss"),
         "recovered_after_steps": [recovery_steps(balances, at) for at in changes if at < len(balances)],
         "decisions": len(report.get("decisions") or []),
+        # the codec in force and from which step ([step, choice], ...): poise's own where none was named
+        "codec_decisions": [[d.get("step"), d.get("choice")] for d in report.get("decisions") or []
+                            if d.get("knob") == "comm.codec"],
         # what deciding the split cost, over the run's training seconds: rank 0's seconds in
         # re-plans (the gather's wait for the last rank included: an upper bound), and in deciding
         "replan_share": _share(report.get("replan_s"), curve),

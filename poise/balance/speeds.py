@@ -26,6 +26,15 @@ MIN_CHANGE = 0.10  # ... and the smallest relative change of speed that does
 # a move is undone when the measured balance after it is this much below the balance before it
 # (a median of 3 steps' balance scattered by about 0.03 on a quiet 2-core machine)
 CONFIRM_MARGIN = 0.05
+# Student's t at 97.5 % for 1, 2, ... degrees of freedom, over the normal's 1.96: a standard
+# error estimated from k steps is widened by T_WIDEN[k - 2] (1 past the table), so that "two
+# standard errors" means the same confidence after 2 steps as after 30. Unwidened, 2 steps whose
+# speeds happened to agree read as known to 5 % (1 degree of freedom: the spread of 2 numbers):
+# over 2 emulated nodes, the first 2 measured steps of equal ranks asked for shares 0.618 0.382
+# and got them, and the split took 14 steps to come back (poise bench auto, S4).
+T_WIDEN = tuple(t / 1.96 for t in (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201,
+                                   2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074,
+                                   2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042))
 
 
 def step_balance(seconds: np.ndarray) -> np.ndarray:
@@ -54,7 +63,8 @@ class SpeedEstimate:
 
     Attributes:
         speeds: cost units per second of own compute, per rank.
-        rel_error: relative standard error of each rank's speed (inf with fewer than 2 steps).
+        rel_error: relative standard error of each rank's speed, widened for few steps by
+            :data:`T_WIDEN` (inf with fewer than 2 steps).
         keep_steps: how many of the newest steps of the window the estimate used (all of them,
             or the last ``RECENT_STEPS`` when some rank's speed changed).
     """
@@ -106,8 +116,9 @@ def estimate_speeds(cost: np.ndarray, seconds: np.ndarray) -> SpeedEstimate:
         if z > CHANGE_Z:
             keep = since
     speeds = measured_speeds(cost[:, -keep:], seconds[:, -keep:])
-    if keep >= 2:  # the standard error of the mean relative log speed: a relative error
-        rel_error = np.nanstd(relative[:, -keep:], axis=1, ddof=1) / np.sqrt(keep)
+    if keep >= 2:  # the standard error of the mean relative log speed (a relative error), widened for few steps
+        widen = T_WIDEN[keep - 2] if keep - 2 < len(T_WIDEN) else 1.0
+        rel_error = widen * np.nanstd(relative[:, -keep:], axis=1, ddof=1) / np.sqrt(keep)
     else:
         rel_error = np.full(len(speeds), np.inf)
     return SpeedEstimate(speeds, rel_error, keep)
@@ -210,6 +221,6 @@ def window_terms(batch_lengths: np.ndarray, compute_s: float) -> tuple[float, fl
     return (n * longest, n * longest * longest, compute_s)
 
 
-__all__ = ["CHANGE_Z", "CONFIRM_MARGIN", "MIN_CHANGE", "MIN_CHANGE_STEPS", "RECENT_STEPS", "SpeedEstimate",
+__all__ = ["CHANGE_Z", "CONFIRM_MARGIN", "MIN_CHANGE", "MIN_CHANGE_STEPS", "RECENT_STEPS", "T_WIDEN", "SpeedEstimate",
            "change_point", "choose_shares", "estimate_speeds", "move_confirmed", "next_shares", "speed_scatter",
            "step_balance", "step_costs", "window_terms"]

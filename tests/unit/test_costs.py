@@ -176,6 +176,24 @@ def test_an_almost_confident_estimate_moves_to_the_near_edge_of_its_band() -> No
     assert decision == "damped" and shares == pytest.approx(target)
 
 
+def test_two_steps_that_happen_to_agree_are_not_confident_but_a_half_speed_rank_still_moves() -> None:
+    cost = np.full((2, 2), 1000.0)
+    # equal ranks whose first 2 measured steps both had rank 1 slower (a warm-up, a busy core):
+    # their spread is small, but 1 degree of freedom says little (Student's t: 12.7 / 1.96 wider)
+    seconds = np.array([[0.100, 0.100], [0.155, 0.170]])
+    warm_up = estimate_speeds(cost, seconds)
+    relative = np.log(seconds[1] / seconds[0])  # rank 0's log speed against the other rank's
+    unwidened = np.std(relative, ddof=1) / np.sqrt(2)
+    assert unwidened < 0.05 < 0.25 < warm_up.rel_error[0]  # was read as known to 5 %: shares 0.62 0.38
+    shares, decision = choose_shares(np.array([0.5, 0.5]), warm_up, 0.15, 0.05)
+    assert decision == "hold" and shares == pytest.approx([0.5, 0.5])
+    # a rank at half speed over 4 steps with 5 % noise is still moved most of the way at once
+    noise = 1 + 0.05 * np.array([[0.3, -1.0, 0.8, -0.2], [-0.6, 0.9, -0.1, 0.4]])
+    half = estimate_speeds(np.full((2, 4), 1000.0), np.array([[0.1] * 4, [0.2] * 4]) * noise)
+    shares, decision = choose_shares(np.array([0.5, 0.5]), half, 0.15, 0.05)
+    assert decision in ("jump", "edge") and shares[0] > 0.6
+
+
 def _fed_partitioner(seconds_per_cost: list[float]) -> tuple[DynamicPartitioner, list]:
     """One rank's partitioner fed one step per entry (its compute seconds per cost unit),
     re-planning when due; returns it and its re-plans."""

@@ -119,8 +119,14 @@ class DynamicPartitioner:
         device: torch.device | None = None,
         confirm_steps: int = 0,
         group: dist.ProcessGroup | None = None,
+        max_replan_every_steps: int | None = None,
     ) -> None:
         self.sampler = sampler
+        # None: a re-plan every replan_every_steps; else the interval doubles after each hold up to
+        # this, and any other decision brings it back (see :meth:`after_step`)
+        self.max_replan_every_steps = max_replan_every_steps
+        self._every = replan_every_steps
+        self._next_due = 0  # (stretched cadence) the recorded step count of the next re-plan
         self.confirm_steps = confirm_steps  # 0: moves are not checked against their measured steps
         self._trial: tuple[int, np.ndarray] | None = None  # (observed count at a move, the shares before it)
         self._quiet_until = 0  # after a revert, no move before this many observed steps
@@ -157,6 +163,8 @@ class DynamicPartitioner:
         cold start's end and every ``replan_every_steps`` steps after it; before that, at
         multiples of ``replan_every_steps`` too, where only a confident estimate acts (see
         :meth:`replan`)."""
+        if self.max_replan_every_steps is not None:
+            return steps_done >= self._next_due
         since = steps_done - self.cold_start_steps
         every = self.replan_every_steps
         # by step counts only, the same on every rank (a rank's window may be empty: a resume
@@ -166,9 +174,19 @@ class DynamicPartitioner:
     def after_step(self, recorded: int, steps_done: int, last_step: int | None = None) -> None:
         """A step ended: ``recorded`` of the ``steps_done`` steps have their figures observed
         (on CUDA one lags); re-plan when :meth:`due` and steps remain before ``last_step`` (the
-        run's last, if known). A collective when it re-plans: every rank reaches it alike."""
+        run's last, if known). A collective when it re-plans: every rank reaches it alike.
+
+        With ``max_replan_every_steps``, the steps to the next re-plan double after each
+        ``hold`` (up to that many) and go back to ``replan_every_steps`` after any other
+        decision: shares that hold cost a gather and a decision every few steps, not every
+        step, while a move, its trial and the cold start are followed step by step. Every rank
+        decides the same from the same gathered numbers, so every rank keeps the same cadence."""
         if self.due(recorded) and (last_step is None or steps_done < last_step):
-            self.replan(steps_done)
+            event = self.replan(steps_done)
+            if self.max_replan_every_steps is not None:
+                held = event.decision == "hold"
+                self._every = min(2 * self._every, self.max_replan_every_steps) if held else self.replan_every_steps
+                self._next_due = recorded + self._every
 
     def replan(self, step: int) -> Replan:
         """Exchange windows (a collective: call on every rank at the same step) and re-split."""
@@ -325,7 +343,9 @@ class DynamicPartitioner:
         trial = None if self._trial is None else [self._observed - self._trial[0], self._trial[1].tolist()]
         return {"shares": self.shares.tolist(), "window": list(self.window),
                 "history": [e.__dict__ for e in self.history], "trial": trial,
-                "quiet_steps": max(0, self._quiet_until - self._observed)}
+                "quiet_steps": max(0, self._quiet_until - self._observed),
+                # the stretched cadence, in the run's recorded steps (saved and restored with them)
+                "replan_every": self._every, "next_replan": self._next_due}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; ``window`` is this rank's own (empty when the state is
@@ -335,6 +355,8 @@ class DynamicPartitioner:
         self._trial = None if trial is None else (self._observed - int(trial[0]),
                                                   np.asarray(trial[1], dtype=np.float64))
         self._quiet_until = self._observed + int(state.get("quiet_steps", 0))
+        self._every = int(state.get("replan_every", self.replan_every_steps))
+        self._next_due = int(state.get("next_replan", 0))
         self.window.clear()
         self.window.extend(tuple(w) for w in state["window"])
         self.history = [Replan(**e) for e in state["history"]]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from poise.balance.costs import AttentionCost, fit_alpha, measured_speeds
-from poise.balance.rebalance import DynamicPartitioner
+from poise.balance.rebalance import DynamicPartitioner, Replan
 from poise.balance.sampler import BalancedBatchSampler
 from poise.balance.speeds import (
     RECENT_STEPS,
@@ -208,6 +208,39 @@ def _fed_partitioner(seconds_per_cost: list[float]) -> tuple[DynamicPartitioner,
         if part.due(done):
             part.replan(done)
     return part, part.history
+
+
+class _Scripted(DynamicPartitioner):
+    """A one-rank re-planner whose re-plans return scripted decisions (the cadence under test)."""
+
+    def __init__(self, decisions: dict[int, str], **kwargs) -> None:
+        lengths = np.random.default_rng(0).integers(16, 512, size=400)
+        super().__init__(BalancedBatchSampler(lengths, rank=0, world_size=1, batch_cost=8_000), **kwargs)
+        self.decisions, self.at = decisions, []
+
+    def replan(self, step: int) -> Replan:
+        self.at.append(step)
+        return Replan(step, [], [1.0], None, decision=self.decisions.get(step, "hold"))
+
+
+def test_auto_replans_less_often_while_the_shares_hold_and_every_step_again_after_a_move():
+    part = _Scripted({1: "wait", 2: "wait", 13: "jump", 14: "trial", 15: "trial", 16: "confirm"},
+                     replan_every_steps=1, max_replan_every_steps=4)
+    for step in range(1, 31):
+        part.after_step(step, step)
+    # every step in the cold start; holds double the interval to 4; a move and its trial: every step
+    assert part.at == [1, 2, 3, 5, 9, 13, 14, 15, 16, 17, 19, 23, 27]
+    saved = part.state_dict()
+    assert (saved["replan_every"], saved["next_replan"]) == (4, 31)
+    again = _Scripted({}, replan_every_steps=1, max_replan_every_steps=4)
+    again.load_state_dict(saved)  # a resumed run keeps the cadence: the next re-plan after step 30
+    for step in range(31, 40):
+        again.after_step(step, step)
+    assert again.at == [31, 35, 39]
+    fixed = _Scripted({}, replan_every_steps=5, cold_start_steps=5)  # dynamic: the cadence it was given
+    for step in range(1, 21):
+        fixed.after_step(step, step)
+    assert fixed.at == [5, 10, 15, 20]
 
 
 def test_alpha_is_fitted_from_the_history_and_speeds_from_the_last_window():

@@ -64,9 +64,11 @@ def test_the_console_lists_the_first_and_last_share_moves_and_counts_the_rest():
 
 
 def test_auto_replans_after_every_step_and_a_pinned_dynamic_keeps_its_cadence():
-    assert replan_schedule(BalanceConfig()) == {"cold_start_steps": 10, "replan_every_steps": 1, "confirm_steps": 3}
+    assert replan_schedule(BalanceConfig()) == {"cold_start_steps": 10, "replan_every_steps": 1, "confirm_steps": 3,
+                                                "max_replan_every_steps": 4}
     pinned = BalanceConfig(strategy="dynamic", replan_every_steps=7, cold_start_steps=4)
-    assert replan_schedule(pinned) == {"cold_start_steps": 4, "replan_every_steps": 7, "confirm_steps": 0}
+    assert replan_schedule(pinned) == {"cold_start_steps": 4, "replan_every_steps": 7, "confirm_steps": 0,
+                                       "max_replan_every_steps": None}
 
 
 def test_an_undone_move_is_said_with_the_balance_that_undid_it():

@@ -9,6 +9,7 @@ it builds DDP.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +110,8 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
     Raises:
         ValueError: an unknown codec name (the allowed ones listed), or a bad combination.
     """
+    if config.codec is None:  # no codec named and none decided (a strategy made outside a session): exact
+        config = dataclasses.replace(config, codec="none")
     registry.check(config)
     if start_step is None:
         start_step = registry.compression_start(config, 0, 0)

@@ -180,13 +180,19 @@ class CodecTrial:
         self.dropped_step = int(dropped) if dropped is not None else None
 
 
+def _slowest(seconds: tuple[float, ...]) -> list[float]:
+    """Each of ``seconds`` as the slowest rank measured it (the step waits for that rank): a
+    MAX all-reduce on the default group, so that every rank decides from the same figures."""
+    figures = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return figures.tolist()
+
+
 def decide_on_every_rank(trial: CodecTrial) -> bool:
     """Make ``trial``'s choice from the slowest rank's medians (the step waits for it), so that
     every rank chooses the same at the same step. A collective on the default group: call it on
     every rank between steps, once ``trial.ready``."""
-    medians = torch.tensor(trial.medians(), dtype=torch.float64)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    uncompressed_s, compute_s, dry_run_s = medians.tolist()
+    uncompressed_s, compute_s, dry_run_s = _slowest(trial.medians())
     kept = trial.decide(uncompressed_s, compute_s, dry_run_s)
     log.info("comm.codec=auto: median step %.0f ms uncompressed, %.0f ms predicted with PowerSGD (%.0f ms without "
              "exposed communication + a %.0f ms dry run; x%.2f margin): %s", uncompressed_s * 1e3,
@@ -199,10 +205,8 @@ def confirm_on_every_rank(trial: CodecTrial, next_step: int) -> bool:
     """Judge ``trial``'s kept codec by the slowest rank's median compressed step against its
     median uncompressed one, so that every rank keeps or drops it at the same step. A collective
     on the default group: call it on every rank between steps, once ``trial.confirm_ready``."""
-    medians = torch.tensor([statistics.median(trial.uncompressed_s), statistics.median(trial.compressed_s)],
-                           dtype=torch.float64)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    uncompressed_s, measured_s = medians.tolist()
+    uncompressed_s, measured_s = _slowest((statistics.median(trial.uncompressed_s),
+                                           statistics.median(trial.compressed_s)))
     kept = trial.confirm(uncompressed_s, measured_s, next_step)
     log.info("comm.codec=auto: median step %.0f ms with PowerSGD over %d steps, %.0f ms uncompressed (x%.2f "
              "margin): %s", measured_s * 1e3, len(trial.compressed_s), uncompressed_s * 1e3, trial.margin,

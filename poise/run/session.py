@@ -85,10 +85,7 @@ class Session:
         balance: ``auto`` (the default: plain DDP's samples per step, split by each rank's
             measured speed from the first steps on; ``poise/decide/``) | ``static`` | ``cost`` |
             ``dynamic``, or a :class:`~poise.config.BalanceConfig`.
-        comm: a codec name (``none`` for exact gradients, ``fp16``, ``topk``, ``powersgd``,
-            ``auto``, ...) or a :class:`~poise.config.CommConfig` (codec, error feedback,
-            collective, buckets). None, or a ``CommConfig`` without a codec: poise decides
-            (exact on one node; across nodes ``auto``, see ``poise/decide/policy.py``).
+        comm: a codec name (``none``: exact, ``powersgd``, ...), a CommConfig, or None: poise decides.
         straggler: ``off`` | ``deadline`` | ``deadline+stale``, or a
             :class:`~poise.config.StragglerConfig`: each rank computes micro-batches until the
             step's shared deadline; samples it did not reach go back into the epoch's plan
@@ -150,8 +147,7 @@ class Session:
         self.sync: Sync = parts.sync
         self.metrics: MetricsExporter | None = parts.metrics
         self.freed_memory: memory.FreedMemory | None = parts.freed_memory
-        self.compression_start = parts.compression_start
-        self.comm, self._codec_why = parts.comm, parts.codec_why  # the codec poise decided, if none was named
+        self.compression_start, self.comm, self._codec_why = parts.compression_start, parts.comm, parts.codec_why
         self._emulation = parts.emulation
         self._recorder = parts.recorder
         self._env = StepEnv(sync=parts.sync, clock=parts.clock, lengths=self.lengths, world_size=self.world_size,

@@ -39,13 +39,13 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from poise.bench.harness import output_dir, require_positive, save_results, show_table
+from poise.launch.command import start as start_command
 from poise.launch.processes import end_tree, workers
 from poise.log import make_console
 
@@ -87,14 +87,12 @@ def _job_flags(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 class Job:
-    """One ``poise train`` process in a session of its own, its output in ``log_path``."""
+    """One ``poise train`` command in a session of its own (:func:`poise.launch.command.start`),
+    its output appended to ``log_path``."""
 
     def __init__(self, flags: list[str], log_path: Path) -> None:
         self.log_path = log_path
-        self._log = open(log_path, "a")  # closed in wait()
-        self.proc = subprocess.Popen([sys.executable, "-m", "poise", *flags], stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = start_command(flags, log_path, append=True)
         self.started = time.monotonic()
 
     def wait(self, timeout_s: float, until: Callable[[], bool] | None = None) -> tuple[int | None, bool]:
@@ -104,10 +102,8 @@ class Job:
                 return None, False
             if time.monotonic() - self.started > timeout_s:
                 end_tree(self.proc)
-                self._log.close()
                 return None, True
             time.sleep(0.1)
-        self._log.close()
         return self.proc.returncode, False
 
     def worker(self, rank: int) -> int | None:

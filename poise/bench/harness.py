@@ -9,15 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from poise.files import write_json_atomic
+from poise.launch.command import PoiseProcess
+from poise.launch.command import start as start_command
 from poise.launch.processes import end_tree
 from poise.log import make_console
 
@@ -38,7 +38,7 @@ def run_train_job(
     cpus: set[int] | None = None,
 ) -> dict[str, Any]:
     """Run ``poise train`` (or another job ``command``, e.g. ``pipeline``: the real CLI and
-    launcher) in a subprocess; return its report.
+    launcher) in a process of its own (:func:`poise.launch.command.start`); return its report.
 
     ``cpus``: the CPUs the job and every process it starts may run on (its affinity; None: as
     this process). Output goes to ``out_dir/name/<command>.log``; a failed job raises
@@ -50,12 +50,10 @@ def run_train_job(
     out.mkdir(parents=True, exist_ok=True)
     if command == "train" and "--balance" not in train_args:
         train_args = [*train_args, "--balance", "static"]
-    cmd = [sys.executable, "-m", "poise", command, *train_args, "--out", str(out),
-           "--diagnostics.progress", "false", "--diagnostics.plot", "false"]
+    flags = [command, *train_args, "--out", str(out), "--diagnostics.progress", "false", "--diagnostics.plot", "false"]
     log.info("bench job %s: poise %s %s", name, command, " ".join(train_args))
     log_path = out / f"{command}.log"
-    with open(log_path, "w") as log_file:
-        code = run_bounded(cmd, log_file, timeout_s, cpus=cpus)
+    code = wait_bounded(start_command(flags, log_path, cpus=cpus), timeout_s)
     if code is None:
         raise RuntimeError(f"bench job {name} ran past its limit of {timeout_s:g} s and was ended (see {log_path})")
     if code != 0:
@@ -64,13 +62,10 @@ def run_train_job(
     return json.loads((out / "report.json").read_text())
 
 
-def run_bounded(cmd: Sequence[str], log_file: Any, timeout_s: float, *, cpus: set[int] | None = None) -> int | None:
-    """Run ``cmd`` with its output in ``log_file``; its exit code, or None when it ran past
-    ``timeout_s`` seconds: then it and every process below it (the launcher's workers, which
-    live in sessions of their own) are ended (:func:`poise.launch.processes.end_tree`).
-    ``cpus``: its CPU affinity, set before it starts (its children inherit it)."""
-    pin = None if cpus is None else lambda: os.sched_setaffinity(0, cpus)
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
+def wait_bounded(proc: PoiseProcess, timeout_s: float) -> int | None:
+    """``proc``'s exit code, or None when it ran past ``timeout_s`` seconds: then it and every
+    process below it (the launcher's workers, which live in sessions of their own) are ended
+    (:func:`poise.launch.processes.end_tree`), as they are when this process is interrupted."""
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
+from typing import Protocol
 
 from poise.runtime.launcher import worker_rank
 
@@ -65,7 +65,18 @@ def signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def end_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+class Started(Protocol):
+    """A started process as :class:`subprocess.Popen` reads it (or a forked ``poise`` command:
+    :class:`poise.launch.command.PoiseProcess`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def end_tree(proc: Started, grace_s: float = 10.0) -> None:
     """End ``proc`` and everything below it: SIGTERM to the front end (torch's agent then stops its
     workers in order), and after ``grace_s`` seconds SIGKILL to whatever of the tree is left;
     stopped processes are continued so that they can die. Waits for ``proc``."""

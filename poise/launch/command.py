@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import runpy
 import subprocess
 import sys
 import traceback
@@ -41,7 +42,8 @@ def _context() -> Any:
 
 def _run(args: list[str], cwd: str, environ: dict[str, str], log_path: str, append: bool,
          cpus: set[int] | None) -> None:
-    """The forked command: as ``python -m poise ARGS`` with its output in ``log_path``."""
+    """The forked command: ``python -m poise ARGS``, run by name as the interpreter would run
+    it, with its output in ``log_path``."""
     os.setsid()
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
@@ -55,11 +57,10 @@ def _run(args: list[str], cwd: str, environ: dict[str, str], log_path: str, appe
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)  # what is written is in the log if the job is killed
     sys.argv = ["poise", *args]
+    code = 0
     try:
-        from poise.cli import main
-
-        code = main(args)
-    except SystemExit as exc:  # argparse's exit 2, or a command's sys.exit
+        runpy.run_module("poise", run_name="__main__", alter_sys=True)  # python -m poise: exits with main's code
+    except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
         if isinstance(exc.code, str):
             sys.stderr.write(exc.code + "\n")

@@ -127,3 +127,19 @@ def test_checkpoint_bench_rejects_unknown_runs(tmp_path):
     proc = run_poise("bench", "checkpoint", "--runs", "b-sync-full,z", "--out", str(tmp_path), timeout_s=60)
     assert proc.returncode == 2
     assert "--runs: z unknown: allowed are a-none, b-sync-full" in proc.stderr
+
+
+def test_a_bench_command_runs_where_it_is_told_and_its_refusal_reaches_the_log(tmp_path):
+    """poise.launch.command.start (every bench job): the command runs in the given directory
+    (it reads its config file there), its output appended to its log, its exit code read back."""
+    from poise.launch.command import start
+
+    (tmp_path / "bad.toml").write_text("[train]\nsteps = -7\n")
+    log = tmp_path / "job.log"
+    for flags in (["--config", "bad.toml"], ["--steps", "0"]):
+        proc = start(["train", *flags, "--out", "here"], log, append=True, cwd=tmp_path)
+        assert proc.wait(timeout=120) == 2 and proc.poll() == 2
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and all(line.startswith("poise train: error: ") for line in lines), lines
+    assert "train.steps=-7" in lines[0] and "train.steps=0" in lines[1], lines
+    assert not (tmp_path / "here").exists()  # refused before anything is made

@@ -20,6 +20,9 @@ environment as it is at the call (the fork server's is the one of its own start)
 returns what ``subprocess.run`` would. Everything below the command is the real thing (torch's
 elastic agent starting its workers, as the command would); only the command's own interpreter
 start and imports (about 4 s of CPU per job, ~250 jobs in the e2e and docs tiers) are saved.
+A user's script under ``torchrun`` runs whole in each worker, as ``python SCRIPT`` would run it;
+its workers are forked by torchrun's own ``--run-path`` option, so that they hold the server's
+imports (torch and the frameworks: Lightning alone is 6 s of CPU per worker started anew).
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ import torch.multiprocessing as mp
 # 10 s on a loaded machine); pytest by every test module a rank unpickles its function from.
 # poise's own modules load on first use (``import poise`` imports no torch): the session's are named.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.testing", "numpy", "pytest", "poise",
-           "poise.cli", "poise.run.session", "poise.run.data", "tests.harness"]
+           "poise.cli", "poise.run.session", "poise.run.data", "tests.harness",
+           # the frameworks of the e2e tier's scripts, which their forked workers (see _torchrun) would
+           # otherwise import each (Lightning alone: 6 s of CPU); the server skips one not installed
+           "lightning.pytorch", "accelerate", "transformers"]
 _CONTEXT: Any = None
 
 
@@ -143,9 +149,7 @@ def _cli_child(program: str, args: list[str], cwd: str, environ: dict[str, str],
 
             code = main(args)
         else:
-            from torch.distributed.run import main as torchrun
-
-            torchrun(args)  # a worker's failure raises (ChildFailedError), as torchrun's own exit 1
+            _torchrun(args)  # a worker's failure raises (ChildFailedError), as torchrun's own exit 1
             code = 0
     except SystemExit as exc:  # argparse's exit 2, or a command's sys.exit
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
@@ -159,10 +163,54 @@ def _cli_child(program: str, args: list[str], cwd: str, environ: dict[str, str],
     os._exit(code)
 
 
+def _torchrun(args: list[str]) -> None:
+    """``torchrun ARGS``, as torch.distributed.run.main runs it; a script's workers are forked
+    from this process (torchrun's own ``--run-path --start-method fork``, into
+    :func:`_script_worker`), so that they hold the server's imports (torch, Lightning, Accelerate,
+    transformers: 5-10 s of CPU per worker as a new interpreter). A module's (``-m``) or a
+    program's workers start as torchrun starts them."""
+    import torch.distributed.run as torchrun
+
+    parsed = torchrun.parse_args(args)
+    if not (parsed.module or parsed.no_python or parsed.run_path):
+        parsed.run_path, parsed.start_method = True, "fork"
+        torchrun.run_script_path = _script_worker  # the entry point config_from_args names for --run-path
+        sys.stdout.flush()  # what a forked worker would otherwise write a second time
+        sys.stderr.flush()
+    torchrun.run(parsed)
+
+
+def _script_worker(script: str, *argv: str) -> None:
+    """A forked worker of ``torchrun SCRIPT ARGV``: what ``python SCRIPT ARGV`` gives a script
+    (its argv, its folder first on sys.path, Python's signal handlers, the CPU threads that
+    ``OMP_NUM_THREADS`` names, which torch read when this server imported it), then the script
+    run as ``__main__``. ``sys.exit(0)`` is a success, as it is for an interpreter."""
+    import runpy
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 def run_cli(args: list[str], *, cwd: str | os.PathLike[str], env: dict[str, str] | None = None,
             timeout_s: float = 240.0, program: str = "poise") -> subprocess.CompletedProcess[str]:
-    """Run ``poise ARGS`` (or ``torchrun ARGS`` with ``program="torchrun"``: the workers it
-    starts are new interpreters, as under a user's torchrun) in a process forked from the warm
+    """Run ``poise ARGS`` (or ``torchrun ARGS`` with ``program="torchrun"``: a script's workers
+    forked, see :func:`_torchrun`) in a process forked from the warm
     server (see the module doc): its exit code, stdout and stderr as text. On ``timeout_s``
     (seconds) the command and everything below it are killed and ``subprocess.TimeoutExpired``
     is raised, as ``subprocess.run`` does."""

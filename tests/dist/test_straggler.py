@@ -143,9 +143,10 @@ def test_the_gradient_is_the_exact_mean_over_the_terms_computed(world_size, dela
     assert slow["micro_taken_over"] < others + slow["micro_deferred"]
     if world_size == 3:
         # rank 1's stall past the deadline (_StallPastTheDeadline): its watchdog entered the
-        # reduction for it while it slept (those steps' gradients were exact, above), never the
-        # others'; nobody hung
-        assert any(results[1]["late"]) and not any(results[0]["late"] + results[2]["late"])
+        # reduction for it while it slept (those steps' gradients were exact, above); nobody hung.
+        # Whether a busy machine also held ranks 0 and 2 past a deadline is not asserted: that
+        # depends on the load (3 ranks on 2 cores beside the rest of the suite), not on the code
+        assert any(results[1]["late"])
 
 
 def _epoch(rank: int, world_size: int, mode: str) -> dict:

@@ -69,7 +69,7 @@ def test_every_config_section_and_field_has_a_row_with_its_flag_default_and_help
 
 @pytest.mark.timeout(60)
 def test_every_command_subcommand_and_listed_flag_is_in_the_cli_reference() -> None:
-    page = reference.cli_page()
+    page, config_page = reference.cli_page(), reference.config_page()
     missing = []
 
     def walk(prog: str, parser: argparse.ArgumentParser) -> None:
@@ -81,7 +81,7 @@ def test_every_command_subcommand_and_listed_flag_is_in_the_cli_reference() -> N
                     walk(f"{prog} {name}", sub)
             elif action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
                 for option in action.option_strings:
-                    if f"`{option}`" not in page and f"`{option}`" not in reference.config_page():
+                    if f"`{option}`" not in page and f"`{option}`" not in config_page:
                         missing.append(f"{prog} {option}")
 
     walk("poise", build_parser())

@@ -185,6 +185,7 @@ def _script_worker(script: str, *argv: str) -> None:
     (its argv, its folder first on sys.path, Python's signal handlers, the CPU threads that
     ``OMP_NUM_THREADS`` names, which torch read when this server imported it), then the script
     run as ``__main__``. ``sys.exit(0)`` is a success, as it is for an interpreter."""
+    import atexit
     import runpy
 
     import torch
@@ -197,12 +198,14 @@ def _script_worker(script: str, *argv: str) -> None:
         torch.set_num_threads(int(threads))
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    atexit._clear()  # what this server registered to run at its own exit is not the script's
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
     finally:
+        atexit._run_exitfuncs()  # the script's, as its interpreter runs them (an emulated slow rank's cgroup)
         sys.stdout.flush()
         sys.stderr.flush()
 

@@ -117,15 +117,12 @@ def run_on_cluster(config: RunConfig, config_path: Path | None, *, module: str, 
         return 128 + int(sig)
 
 
-def node_dist(state: ClusterState, base: DistConfig, node: int, rdzv_id: str, threads: int) -> DistConfig:
-    """Node ``node``'s launcher settings: the job's, placed on the cluster's addresses, with
-    ``threads`` CPU threads per worker. The nodes share this machine's cores (the workers count
-    them so: :func:`~poise.runtime.dist.threads_for`); a node's agent, which sees only its own
-    workers, is told the count, so that it forks them where one thread each makes that safe."""
+def node_dist(state: ClusterState, base: DistConfig, node: int, rdzv_id: str) -> DistConfig:
+    """Node ``node``'s launcher settings: the job's, placed on the cluster's addresses."""
     return dataclasses.replace(
         base, nnodes=str(state.nodes), node_rank=node, rdzv_backend="c10d", rdzv_id=rdzv_id,
         rdzv_endpoint=f"{state.address(0)}:{RDZV_PORT}", local_addr=state.address(node),
-        rdzv_is_host=node == 0, socket_ifname=NODE_IFNAME, threads_per_worker=threads,
+        rdzv_is_host=node == 0, socket_ifname=NODE_IFNAME,
     )
 
 
@@ -153,7 +150,7 @@ def _run_agents(state: ClusterState, config: RunConfig, config_path: Path | None
     agents: list[_Agent] = []
     try:
         for node, ns in enumerate(namespaces):
-            dist = node_dist(state, config.dist, node, rdzv_id, threads)
+            dist = node_dist(state, config.dist, node, rdzv_id)
             argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "poise.launch.agent",
                     "--dist", json.dumps(dataclasses.asdict(dist)), "--module", module, "--command", command]
             if config_path is not None:

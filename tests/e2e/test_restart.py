@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,8 @@ import pytest
 import torch
 
 from poise.checkpoint import directory, layout
+from poise.launch.command import start
+from poise.launch.processes import descendants
 from poise.train.samples import read_samples
 from tests.conftest import ROOT, run_poise
 
@@ -198,25 +198,7 @@ def test_outer_sync_resumes_inside_a_round_exactly(tmp_path, sync):
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (torchrun starts its workers in their own sessions, so a
-    process-group kill would miss them), read from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the process ended while we looked
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-@pytest.mark.timeout(300)  # a collective timeout (10 s) and the re-rendezvous's last call (10 s) included
+@pytest.mark.timeout(300)  # a collective timeout (10 s) and the re-rendezvous's last call (5 s) included
 def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
     """torchrun's own membership change: two one-worker "nodes" join a ``--nnodes 1:2`` job on
     loopback; one of them dies whole (agent and worker, as a machine would), and the other
@@ -226,21 +208,21 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out"  # shared by both nodes, as a cluster's shared file system would be
-    job = [sys.executable, "-m", "poise", "train", "--task", "digits", "--nproc", "1", "--nnodes", "1:2",
+    job = ["train", "--task", "digits", "--nproc", "1", "--nnodes", "1:2",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--dist.rdzv_id", "elastic-test", "--epochs", "2",
-           # the survivor waits 10 s (torch's default: 30 s) for more machines once it has enough: long
+           # the survivor waits 5 s (torch's default: 30 s) for more machines once it has enough: long
            # enough for both nodes to meet at the start on a loaded machine
-           "--dist.rdzv_conf", "last_call_timeout=10",
+           "--dist.rdzv_conf", "last_call_timeout=5",
            "--batch-size", "32", "--checkpoint-every", "5", "--max-restarts", "1", "--dist.timeout_s", "10",
            "--rank-speed", "0:0.2", "--balance.slowdown_method", "sleep",  # ~10 steps a second
+           # one thread per worker: forked from its node's launcher, not a new interpreter (seconds of CPU)
+           "--dist.threads_per_worker", "1",
            "--diagnostics.record_samples", "true", "--diagnostics.progress", "false", "--diagnostics.plot", "false",
            "--out", str(out)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    logs = [open(tmp_path / f"node-{i}.log", "w+") for i in range(2)]  # closed in the finally block
-    # node 0's agent hosts the rendezvous store (it lives in that agent): node 1 is the one to die
-    nodes = [subprocess.Popen([*job, "--dist.rdzv_is_host", str(i == 0).lower()], stdout=log,
-                              stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-             for i, log in enumerate(logs)]
+    logs = [tmp_path / f"node-{i}.log" for i in range(2)]
+    # node 0's agent hosts the rendezvous store (it lives in that agent): node 1 is the one to die.
+    # Each node is a poise command started as the benches start theirs (poise.launch.command).
+    nodes = [start([*job, "--dist.rdzv_is_host", str(i == 0).lower()], log, cwd=ROOT) for i, log in enumerate(logs)]
     try:
         for _ in range(1200):  # polls of 0.1 s; the test's timeout bounds it too
             if (out / "checkpoints" / "step-00000010").exists() or nodes[0].poll() is not None:
@@ -248,20 +230,18 @@ def test_elastic_job_loses_a_node_and_finishes_on_the_other(tmp_path):
             time.sleep(0.1)
         assert (out / "checkpoints" / "step-00000010").exists(), "the job ended or stalled before checkpoint 10"
         victim = nodes[1]
-        for pid in [victim.pid, *_descendants(victim.pid)]:
+        for pid in [victim.pid, *descendants(victim.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         assert nodes[0].wait(timeout=180) == 0
     finally:
         for node in nodes:
-            for pid in [node.pid, *_descendants(node.pid)]:
+            for pid in [node.pid, *descendants(node.pid)]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             node.wait()
         for log in logs:
-            log.seek(0)
-            print(log.read()[-3000:])  # shown when the test fails
-            log.close()
+            print(log.read_text()[-3000:])  # shown when the test fails
     report = json.loads((out / "report.json").read_text())
     assert report["restarts"] == 1 and len(report["per_rank"]) == 1
     assert report["first_step"] == int(report["resumed_from"].removeprefix("step-")) >= 10

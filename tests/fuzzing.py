@@ -11,6 +11,7 @@ Used by tests/unit/test_fuzz_cli.py (arguments) and tests/unit/test_fuzz_files.p
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,15 @@ from hypothesis import strategies as st
 from poise.cli import build_parser, main
 from poise.diagnostics.timeline import FIELDS, save_table
 from tests.bounded import Outcome, refused_in_one_line
+
+# What the cases reach, imported here once: a forked case would import it again, each time (the
+# pipeline's checks pull in torch's pipelining and compiler modules: about 0.3 s of CPU a case)
+WARM = ("poise.cli.flags", "poise.comm.registry", "poise.pipeline.worker", "poise.train.recipe",
+        "poise.diagnostics.rules", "poise.plan.planner", "poise.plan.model", "poise.checkpoint.sharded",
+        "poise.checkpoint.contents", "poise.emulate.speed")
+for _name in WARM:
+    importlib.import_module(_name)
+build_parser()  # every command's module
 
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=30,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -3,7 +3,7 @@
 The benches run many real jobs one after another: each one as ``python -m poise train ...``
 paid an interpreter start, torch's and poise's imports and, at its end, the interpreter's
 teardown of them, about 5 s of CPU per job on a 2-core machine, before and after any training
-(a 12-step job took 8 s of CPU in all). :func:`start` forks each command instead from a server
+(a 4-step code-lm job took 8 s of CPU in all). :func:`start` forks each command instead from a server
 process that imported those modules once (Python's ``forkserver``, the way torch's own
 ``MultiProcessTestCase`` and our test harness start their ranks). The server never runs a torch
 operation, so it holds no OpenMP pool and no GPU context that a fork could break; each command
@@ -14,6 +14,7 @@ imports are shared, so a job's own measurements (step times, stalls, losses) do 
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import runpy
@@ -57,6 +58,7 @@ def _run(args: list[str], cwd: str, environ: dict[str, str], log_path: str, appe
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)  # what is written is in the log if the job is killed
     sys.argv = ["poise", *args]
+    atexit._clear()  # what the server registered to run at its own exit is not the command's
     code = 0
     try:
         runpy.run_module("poise", run_name="__main__", alter_sys=True)  # python -m poise: exits with main's code
@@ -67,9 +69,10 @@ def _run(args: list[str], cwd: str, environ: dict[str, str], log_path: str, appe
     except BaseException:
         traceback.print_exc()
         code = 1
+    atexit._run_exitfuncs()  # the command's own, as its interpreter would run them
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # without the interpreter's teardown of torch (about 1 s of CPU)
+    os._exit(code)  # without the interpreter's teardown of torch's modules (about 1 s of CPU)
 
 
 class PoiseProcess:

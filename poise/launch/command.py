@@ -18,6 +18,7 @@ import atexit
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import traceback
@@ -77,7 +78,8 @@ def _run(args: list[str], cwd: str, environ: dict[str, str], log_path: str, appe
 
 class PoiseProcess:
     """A started ``poise`` command, read as a :class:`subprocess.Popen` is: ``pid``,
-    ``returncode`` (negative: the signal that ended it), :meth:`poll` and :meth:`wait`, so that
+    ``returncode`` (negative: the signal that ended it), :meth:`poll`, :meth:`wait`,
+    :meth:`send_signal` and :meth:`kill`, so that
     :func:`poise.launch.processes.end_tree` ends it and everything below it."""
 
     def __init__(self, process: Any) -> None:
@@ -90,6 +92,14 @@ class PoiseProcess:
             self._process.join()
             self.returncode = self._process.exitcode
         return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the command (not to what it started), as Popen does."""
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit code, waiting up to ``timeout`` seconds (None: for ever); past it

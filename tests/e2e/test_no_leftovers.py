@@ -80,6 +80,16 @@ def test_a_bench_job_past_its_limit_ends_every_worker(tmp_path):
         run_train_job("long", tmp_path, ["--task", "digits", "--nproc", "2", "--steps", "100000"], 15.0)
     marker = str(tmp_path / "long")
     time.sleep(0.5)
+    # every process of the job names its folder: in its command line (a worker started anew) or in
+    # its open files (the command and whatever it forked write to the job's log)
     alive = [pid for pid in (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit())
-             if pid != os.getpid() and any(marker in arg for arg in cmdline(pid))]
+             if pid != os.getpid() and (any(marker in arg for arg in cmdline(pid)) or _opened_under(pid, marker))]
     assert not alive, [cmdline(p) for p in alive]
+
+
+def _opened_under(pid: int, folder: str) -> bool:
+    """Whether process ``pid`` has a file under ``folder`` open."""
+    try:
+        return any(os.readlink(fd).startswith(folder) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # gone, or not ours to read
+        return False

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -143,21 +142,11 @@ def _cli_child(program: str, args: list[str], cwd: str, environ: dict[str, str],
         os.dup2(opened, fd)
         os.close(opened)
     sys.argv = [program, *args]
-    try:
-        if program == "poise":
-            from poise.cli import main
+    from poise.cli import main
+    from poise.launch.command import exit_code
 
-            code = main(args)
-        else:
-            _torchrun(args)  # a worker's failure raises (ChildFailedError), as torchrun's own exit 1
-            code = 0
-    except SystemExit as exc:  # argparse's exit 2, or a command's sys.exit
-        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        if isinstance(exc.code, str):
-            sys.stderr.write(exc.code + "\n")
-    except BaseException:
-        traceback.print_exc()
-        code = 1
+    # a worker's failure under torchrun raises (ChildFailedError), as torchrun's own exit 1
+    code = exit_code((lambda: main(args)) if program == "poise" else (lambda: _torchrun(args)))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

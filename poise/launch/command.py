@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +60,27 @@ def _run(args: list[str], cwd: str, environ: dict[str, str], log_path: str, appe
         stream.reconfigure(line_buffering=True)  # what is written is in the log if the job is killed
     sys.argv = ["poise", *args]
     atexit._clear()  # what the server registered to run at its own exit is not the command's
-    code = 0
-    try:
-        runpy.run_module("poise", run_name="__main__", alter_sys=True)  # python -m poise: exits with main's code
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        if isinstance(exc.code, str):
-            sys.stderr.write(exc.code + "\n")
-    except BaseException:
-        traceback.print_exc()
-        code = 1
+    # python -m poise, which exits with main's code
+    code = exit_code(lambda: runpy.run_module("poise", run_name="__main__", alter_sys=True))
     atexit._run_exitfuncs()  # the command's own, as its interpreter would run them
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # without the interpreter's teardown of torch's modules (about 1 s of CPU)
+
+
+def exit_code(call: Callable[[], int | None]) -> int:
+    """The code an interpreter would exit with after running ``call``: what it returns (None: 0),
+    a ``SystemExit``'s code (a message: written to stderr, 1), or 1 after an exception, whose
+    traceback is printed."""
+    try:
+        return call() or 0
+    except SystemExit as exc:  # argparse's exit 2, or a command's sys.exit
+        if isinstance(exc.code, str):
+            sys.stderr.write(exc.code + "\n")
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        return 1
 
 
 class PoiseProcess:

@@ -173,7 +173,8 @@ def _script_worker(script: str, *argv: str) -> None:
     """A forked worker of ``torchrun SCRIPT ARGV``: what ``python SCRIPT ARGV`` gives a script
     (its argv, its folder first on sys.path, Python's signal handlers, the CPU threads that
     ``OMP_NUM_THREADS`` names, which torch read when this server imported it), then the script
-    run as ``__main__``. ``sys.exit(0)`` is a success, as it is for an interpreter."""
+    run as ``__main__``, then what it registered with ``atexit``. ``sys.exit(0)`` is a success,
+    as it is for an interpreter."""
     import atexit
     import runpy
 

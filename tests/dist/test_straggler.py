@@ -127,14 +127,20 @@ def test_the_gradient_is_the_exact_mean_over_the_terms_computed(world_size, dela
     # no deadline until most ranks have observed a step (the first is not observed: warm-up);
     # the slow rank, whose micro-batches the others take, may need one more
     deadlines, empty = results[0]["deadlines"], results[0]["empty"]
-    assert deadlines[:2] == [None, None] and any(d is not None for d in deadlines[2:])
-    # once set, a step has no deadline only after a step where nobody computed anything, or in
-    # the epoch's catch-up steps (the pool dealt to few ranks, most of them without a rate yet)
-    first = next(s for s, d in enumerate(deadlines) if d is not None)
-    catch_up = results[0]["catch_up"]
-    assert all(deadlines[s] is not None or empty[s - 1] or catch_up[s] for s in range(first, steps))
+    assert deadlines[:2] == [None, None], deadlines
+    set_at = [s for s, d in enumerate(deadlines) if d is not None]
+    # With 3 ranks, 2 rates make a deadline. With 2, the slow rank needs one too: whether it is
+    # observed within these steps depends on the machine's load (a CI run beside the rest of the
+    # suite set none; every step then waited for both ranks, its gradient exact as checked above)
+    assert set_at or world_size == 2, deadlines
     # one small collective a step (the count that also agrees the next deadline)
     assert results[0]["small"] == list(range(1, steps + 1))
+    if not set_at:
+        return
+    # once set, a step has no deadline only after a step where nobody computed anything, or in
+    # the epoch's catch-up steps (the pool dealt to few ranks, most of them without a rate yet)
+    catch_up = results[0]["catch_up"]
+    assert all(deadlines[s] is not None or empty[s - 1] or catch_up[s] for s in range(set_at[0], steps))
     # the slow rank really was cut: the others took over (or deferred) more of its micro-batches
     # than it took of theirs (it may take one in a catch-up step, whose pool is dealt to every
     # rank: whether it does depends on how fast this machine runs the others)

@@ -17,7 +17,6 @@ import pytest
 from poise import config as cfg
 from poise.checkpoint import directory
 from poise.cli.train import JOB_LOCK
-from poise.launch.command import PoiseProcess, start
 from poise.launch.processes import end_tree, workers
 from poise.runtime.launcher import WORKERS_LOCK
 from tests.conftest import ROOT, run_poise
@@ -28,13 +27,16 @@ JOB = ("train", "--task", "digits", "--nproc", "2", "--diagnostics.progress", "f
        "--diagnostics.record_samples", "true")
 
 
-def _start(out: Path, *flags: str) -> tuple[PoiseProcess, Path]:
-    """``poise train`` in a process of its own, started as the benches start theirs."""
+def _start(out: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
     log = out.parent / f"{out.name}.log"
-    return start([*JOB, "--out", str(out), *flags], log, cwd=ROOT), log
+    with open(log, "w") as handle:
+        proc = subprocess.Popen([sys.executable, "-m", "poise", *JOB, "--out", str(out), *flags], stdout=handle,
+                                stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, log
 
 
-def _wait_for(predicate, proc: PoiseProcess, what: str, limit: int = 900) -> None:
+def _wait_for(predicate, proc: subprocess.Popen, what: str, limit: int = 900) -> None:
     for _ in range(limit):  # polls of 0.1 s; the test's timeout bounds it too
         if predicate() or proc.poll() is not None:
             break
@@ -48,10 +50,10 @@ def _steps(out: Path) -> int:
     return 0
 
 
-def _workers_of(out: Path, name: str = WORKERS_LOCK) -> list[int]:
+def _workers_of(out: Path) -> list[int]:
     """Processes still running this job's workers (whoever their parent now is, forked or not):
-    those holding the output directory's workers' lock open (or its lock ``name``)."""
-    lock = str(out / name)
+    those holding the output directory's workers' lock open."""
+    lock = str(out / WORKERS_LOCK)
     found = []
     for fd in Path("/proc").glob("[0-9]*/fd/*"):
         with contextlib.suppress(OSError):
@@ -169,8 +171,8 @@ def test_killing_the_command_outright_ends_its_workers_and_frees_the_directory(t
         assert len(_workers_of(out)) == 2
         proc.kill()
         proc.wait(timeout=60)
-        for _ in range(300):  # polls of 0.1 s: the kernel ends them (and the job's helpers) as their parent dies
-            if not _workers_of(out) and not _workers_of(out, JOB_LOCK):
+        for _ in range(300):  # polls of 0.1 s: the kernel ends them as their parent dies
+            if not _workers_of(out):
                 break
             time.sleep(0.1)
     finally:

@@ -110,7 +110,7 @@ def build(config: CommConfig, process_group: dist.ProcessGroup | None = None,
     Raises:
         ValueError: an unknown codec name (the allowed ones listed), or a bad combination.
     """
-    if config.codec is None:  # no codec named and none decided (a strategy made outside a session): exact
+    if config.codec is None:  # no codec named and none decided (a strategy built on its own): exact
         config = dataclasses.replace(config, codec="none")
     registry.check(config)
     if start_step is None:

@@ -52,6 +52,12 @@ class CommConfig:
         "backward, larger ones send fewer messages"
     )
 
+    @property
+    def exact(self) -> bool:
+        """Whether gradients go exact: ``none``, or no codec named (poise's to decide in a session,
+        ``poise/decide/policy.py``; exact where nothing decides, e.g. a strategy built on its own)."""
+        return self.codec in (None, "none")
+
     def __post_init__(self) -> None:
         check_finite("comm", self)
         if not 0.0 < self.topk_ratio <= 1.0:

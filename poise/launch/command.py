@@ -18,7 +18,6 @@ import atexit
 import multiprocessing
 import os
 import runpy
-import signal
 import subprocess
 import sys
 import traceback
@@ -27,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 # What the server imports once: the command line, the launcher and what a forked worker of
-# ``poise train`` would import first (poise.train.worker and its FORK_PRELOAD).
+# ``poise train`` would import first (poise.train.worker and its FORK_PRELOAD). Named, as
+# ``python -m poise`` names its module: this layer imports nothing above it.
 PRELOAD = ("torch", "torch.distributed.run", "torch._dynamo", "poise.cli", "poise.cli.train",
            "poise.launch.elastic", "poise.train.worker")
 _CONTEXT: Any = None
@@ -85,8 +85,7 @@ def exit_code(call: Callable[[], int | None]) -> int:
 
 class PoiseProcess:
     """A started ``poise`` command, read as a :class:`subprocess.Popen` is: ``pid``,
-    ``returncode`` (negative: the signal that ended it), :meth:`poll`, :meth:`wait`,
-    :meth:`send_signal` and :meth:`kill`, so that
+    ``returncode`` (negative: the signal that ended it), :meth:`poll` and :meth:`wait`, so that
     :func:`poise.launch.processes.end_tree` ends it and everything below it."""
 
     def __init__(self, process: Any) -> None:
@@ -99,14 +98,6 @@ class PoiseProcess:
             self._process.join()
             self.returncode = self._process.exitcode
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        """Send ``sig`` to the command (not to what it started), as Popen does."""
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit code, waiting up to ``timeout`` seconds (None: for ever); past it

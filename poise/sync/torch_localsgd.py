@@ -118,7 +118,7 @@ class TorchLocalSGD:
     def __init__(self, model: nn.Module, comm: CommConfig, sync: SyncConfig, *, clock: Clock, backend: str,
                  compression_start: int, outer: Sequence[HookWrapper] = (), ranks_per_node: int | None = None) -> None:
         warmup_steps = compression_start
-        if comm.codec not in (None, "none") or comm.collective != "flat":
+        if not comm.exact or comm.collective != "flat":
             raise ValueError(f"sync.mode='torch-localsgd' runs torch's post_localSGD_hook: comm.codec={comm.codec!r} "
                              f"and comm.collective={comm.collective!r} must stay 'none' and 'flat'")
         if warmup_steps < 0:

@@ -103,7 +103,7 @@ class TorchftDiLoCo:
 
     def __init__(self, model: nn.Module, comm: CommConfig, sync: SyncConfig, *, clock: Clock, backend: str,
                  compression_start: int, outer: Sequence[HookWrapper] = (), ranks_per_node: int | None = None) -> None:
-        if comm.codec not in (None, "none") or comm.collective != "flat":
+        if not comm.exact or comm.collective != "flat":
             raise ValueError(f"sync.mode='torchft-diloco' reduces no gradient per step: comm.codec={comm.codec!r} and "
                              f"comm.collective={comm.collective!r} must stay 'none' and 'flat'")
         if sync.codec != "none":

@@ -22,6 +22,16 @@ def pytest_configure(config: pytest.Config) -> None:
                                 "and runs the suite there) or `.venv/bin/python -m pytest`")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server(request: pytest.FixtureRequest) -> None:
+    """The tests' fork server (tests/harness.py), started before the first test of a session that
+    runs jobs (the dist, e2e and cluster tiers): the first of them then times its own work only."""
+    if any(item.nodeid.startswith(("tests/dist/", "tests/e2e/", "tests/cluster/")) for item in request.session.items):
+        from tests.harness import start_server
+
+        start_server()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A corpus cache private to this test session."""

@@ -64,6 +64,15 @@ def _context() -> Any:
     return _CONTEXT
 
 
+def start_server() -> None:
+    """Start the fork server now (its imports take ~15 s of CPU on this machine), not inside the
+    first test that needs it: a test that times two jobs against each other would otherwise
+    measure the server's start too."""
+    warm = _context().Process(target=os.getpid)  # returns once the server has imported PRELOAD
+    warm.start()
+    warm.join()
+
+
 def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float,
            results: Any, kwargs: dict[str, Any], environ: dict[str, str]) -> None:
     import torch
